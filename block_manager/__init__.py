@@ -1,0 +1,1 @@
+"""KV tiers; imported as ``vllm_infinitehip.block_manager`` (see pyproject package-dir)."""

@@ -1,0 +1,1 @@
+"""Compute kernels; imported as ``vllm_infinitehip.kernels`` (see pyproject package-dir)."""

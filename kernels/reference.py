@@ -1,0 +1,367 @@
+"""Pure-PyTorch InfiniteHiP: the CPU execution path and the oracle for the Triton kernels.
+
+Everything here follows shared/docs/INFINITEHIP.md §1 and works on one request at a time, on keys
+and values gathered contiguously from vLLM's paged cache (``[T, H_kv, D]``). Positions are 0-based
+and the queries of a request are its last ``Nq`` positions.
+
+The functions are small and composable so that each step can be tested alone:
+
+- :func:`gather_paged_kv` reads a request's K/V out of the paged cache;
+- :func:`pool_queries` groups queries into blocks and average-pools them by a stage stride;
+- :func:`select_rep_scores` is one SelectRep pass (one pruning stage's scoring);
+- :func:`run_stages` is the N-stage cascade with the between-stage top-k / sort / split, and it
+  returns each stage's input so decode can resume from any stage (the mask cache);
+- :func:`sparse_key_mask` turns selected blocks into the per-query key set (sink + window +
+  selected, causal, each key once);
+- :func:`masked_attention` / :func:`dense_attention` compute attention over a key set.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """One pruning stage as the kernels see it (``keep_tokens`` may differ per layer)."""
+
+    chunk_size: int
+    keep_tokens: int
+    block_size_q: int
+    query_stride: int
+
+
+@dataclass(frozen=True)
+class PruneParams:
+    """What the pruning cascade and block-sparse attention need for one layer."""
+
+    sink_tokens: int
+    window_tokens: int
+    stages: tuple[StageParams, ...]
+    probe: str = "midpoint"
+
+    @property
+    def block_size_q(self) -> int:
+        return self.stages[0].block_size_q
+
+    @property
+    def block_size_k(self) -> int:
+        return self.stages[-1].chunk_size
+
+    @property
+    def scan_window(self) -> int:
+        """sw' of §1.3: the window shrunk by one stage-1 chunk during the scan."""
+        return self.window_tokens - self.stages[0].chunk_size
+
+
+@dataclass
+class Candidates:
+    """The chunks a stage scores, per query block: starts ``[n_blocks, C]`` and a valid mask."""
+
+    starts: torch.Tensor
+    valid: torch.Tensor
+
+
+@dataclass
+class PruneResult:
+    """Final selected blocks per query block and every stage's input (for mask refresh)."""
+
+    block_starts: torch.Tensor  # [n_blocks, K] int64, ascending; invalid entries at the end
+    block_valid: torch.Tensor  # [n_blocks, K] bool
+    stage_inputs: list[Candidates]  # stage_inputs[i] is the input of stage i
+
+
+# --------------------------------------------------------------------------- paged KV access
+def gather_paged_kv(
+    kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one request as contiguous ``[seq_len, H_kv, D]`` tensors.
+
+    ``kv_cache`` is this plugin's layout ``[num_blocks, 2, block_size, H_kv, D]``.
+    """
+    block_size = kv_cache.shape[2]
+    n_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table_row[:n_blocks].long()
+    kv = kv_cache.index_select(0, blocks)  # [n, 2, bs, H, D]
+    k = kv[:, 0].reshape(n_blocks * block_size, *kv.shape[-2:])[:seq_len]
+    v = kv[:, 1].reshape(n_blocks * block_size, *kv.shape[-2:])[:seq_len]
+    return k, v
+
+
+def write_paged_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store new tokens' K/V at their slots; negative slots (padding) are skipped."""
+    n = slot_mapping.shape[0]
+    key, value = key[:n], value[:n]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    block_size = kv_cache.shape[2]
+    slots = slot_mapping.long()
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, 0, offsets] = key.to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = value.to(kv_cache.dtype)
+
+
+# --------------------------------------------------------------------------- query blocks
+def query_block_ids(num_queries: int, block_size_q: int) -> torch.Tensor:
+    """Block index of each query: consecutive groups of ``block_size_q`` from the first query."""
+    return torch.arange(num_queries) // block_size_q
+
+
+def pool_queries(q: torch.Tensor, block_size_q: int, stride: int) -> torch.Tensor:
+    """``[Nq, H, D]`` -> ``[n_blocks, H, block_size_q // stride, D]``.
+
+    Each pooled row is the mean of ``stride`` consecutive queries of a block (fewer for a final
+    partial group). Rows that hold no query at all (past the end) are NaN and are ignored by the
+    max over queries in :func:`select_rep_scores`.
+    """
+    nq, h, d = q.shape
+    n_blocks = (nq + block_size_q - 1) // block_size_q
+    padded = n_blocks * block_size_q
+    qf = q.float()
+    real = torch.ones(nq, dtype=torch.float32, device=q.device)
+    if padded != nq:
+        qf = torch.cat([qf, qf.new_zeros(padded - nq, h, d)])
+        real = torch.cat([real, real.new_zeros(padded - nq)])
+    groups = block_size_q // stride
+    qf = qf.view(n_blocks, groups, stride, h, d).sum(2)
+    count = real.view(n_blocks, groups, stride).sum(2)
+    pooled = qf / count[:, :, None, None]  # NaN where a group holds no query
+    return pooled.permute(0, 2, 1, 3).contiguous()  # [n_blocks, H, groups, D]
+
+
+# --------------------------------------------------------------------------- SelectRep
+def select_rep_scores(
+    q_pooled: torch.Tensor,
+    k: torch.Tensor,
+    cand: Candidates,
+    chunk_size: int,
+    key_limit: torch.Tensor,
+    probe: str = "midpoint",
+) -> torch.Tensor:
+    """Score every candidate chunk of every query block with SelectRep (§1.4).
+
+    ``q_pooled`` is ``[n_blocks, H_q, n_q, D]`` and already multiplied by the softmax scale;
+    ``k`` is ``[T, H_kv, D]``. Chunk ``j`` of block ``b`` covers
+    ``[starts[b, j], min(starts[b, j] + chunk_size, key_limit[b]))``. Each head bisects its own
+    path; the chunk score is the best probe score, max-reduced over queries and then over heads
+    (so all heads of a layer share the ranking). Invalid or empty chunks score ``-inf``.
+    Returns ``[n_blocks, C]`` float32.
+    """
+    nb, hq, _, d = q_pooled.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    c = cand.starts.shape[1]
+    if c == 0:
+        return q_pooled.new_empty(nb, 0)
+    kf = k.float()
+    head_kv = (torch.arange(hq, device=k.device) // group).view(1, hq, 1)
+    q_nan = torch.isnan(q_pooled[..., 0])  # [nb, hq, nq]
+    qz = torch.nan_to_num(q_pooled, nan=0.0)
+
+    left = cand.starts.view(nb, 1, c).expand(nb, hq, c).clone()
+    right = torch.minimum(cand.starts + chunk_size, key_limit.view(nb, 1)).view(nb, 1, c)
+    right = right.expand(nb, hq, c).clone()
+    valid = (cand.valid & (cand.starts < key_limit.view(nb, 1))).view(nb, 1, c).expand(nb, hq, c)
+    best = torch.full((nb, hq, c), NEG_INF, device=k.device)
+
+    def probe_score(pos: torch.Tensor) -> torch.Tensor:
+        idx = pos.clamp(0, kf.shape[0] - 1)
+        keys = kf[idx, head_kv.expand_as(idx)]  # [nb, hq, c, d]
+        s = torch.einsum("bhqd,bhcd->bhqc", qz, keys)
+        s = s.masked_fill(q_nan.unsqueeze(-1), NEG_INF)
+        return s.amax(dim=2)  # max over the block's (pooled) queries
+
+    for _ in range(max(1, math.ceil(math.log2(max(chunk_size, 2))))):
+        live = valid & (right - left > 1)
+        if not bool(live.any()):
+            break
+        mid = (left + right) // 2
+        if probe == "midpoint":
+            p_left, p_right = (left + mid) // 2, (mid + right) // 2
+        else:  # "first": the paper's Algorithm 3 probes the first index of each branch
+            p_left, p_right = left, mid
+        s_left, s_right = probe_score(p_left), probe_score(p_right)
+        go_left = s_left > s_right
+        best = torch.where(live, torch.maximum(best, torch.where(go_left, s_left, s_right)), best)
+        right = torch.where(live & go_left, mid, right)
+        left = torch.where(live & ~go_left, mid, left)
+
+    # A chunk of one key (or a partial chunk narrowed to one) is scored by that key alone.
+    single = valid & torch.isneginf(best)
+    if bool(single.any()):
+        best = torch.where(single, probe_score(left), best)
+    best = best.masked_fill(~valid, NEG_INF)
+    return best.amax(dim=1)  # head reduction
+
+
+# --------------------------------------------------------------------------- the cascade
+def first_stage_candidates(
+    params: PruneParams, seq_len: int, block_min_pos: torch.Tensor
+) -> Candidates:
+    """Stage-1 chunks over the live context: chunk j covers [n_sink + j*l_c1, ... + l_c1).
+
+    A chunk is active for a query block when it starts at or before ``min_pos - sw'`` (§1.3), so
+    chunks straddling the window edge compete while the window itself is left to the window.
+    """
+    l1 = params.stages[0].chunk_size
+    n_chunks = max(0, math.ceil((seq_len - params.sink_tokens) / l1))
+    starts = params.sink_tokens + torch.arange(n_chunks, device=block_min_pos.device) * l1
+    starts = starts.view(1, -1).expand(block_min_pos.shape[0], -1)
+    valid = starts <= (block_min_pos - params.scan_window).view(-1, 1)
+    return Candidates(starts.contiguous(), valid)
+
+
+def run_stages(
+    params: PruneParams,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    start_stage: int = 0,
+    start_input: Candidates | None = None,
+) -> PruneResult:
+    """The N-stage hierarchical pruning for every query block of one request (§1.1, §1.5).
+
+    ``q`` is ``[Nq, H_q, D]`` (unscaled), positions ascending. With ``start_stage > 0`` the
+    cascade resumes from ``start_input``, the cached input of that stage (decode refresh, §1.6).
+    """
+    seq_len = k.shape[0]
+    bq = params.block_size_q
+    blk = query_block_ids(q.shape[0], bq).to(q_positions.device)
+    n_blocks = int(blk[-1]) + 1 if q.shape[0] else 0
+    block_min_pos = torch.full((n_blocks,), seq_len, dtype=torch.long, device=q.device)
+    block_min_pos = block_min_pos.scatter_reduce(0, blk, q_positions.long(), reduce="amin")
+    # keys every query of a block may see
+    key_limit = torch.clamp(block_min_pos + 1, max=seq_len)
+
+    stage_inputs: list[Candidates] = []
+    if start_stage == 0:
+        cand = first_stage_candidates(params, seq_len, block_min_pos)
+    else:
+        assert start_input is not None
+        cand = start_input
+    n_stages = len(params.stages)
+    for i in range(start_stage, n_stages):
+        st = params.stages[i]
+        stage_inputs.append(cand)
+        qp = pool_queries(q, bq, st.query_stride) * scale
+        scores = select_rep_scores(qp, k, cand, st.chunk_size, key_limit, params.probe)
+        keep = min(st.keep_tokens // st.chunk_size, scores.shape[1])
+        top_scores, top_idx = torch.topk(scores, keep, dim=1)
+        kept_valid = ~torch.isneginf(top_scores)
+        kept_starts = torch.gather(cand.starts, 1, top_idx)
+        # Realign to chunk starts is implicit (we never store narrowed ranges); sort by
+        # position, invalid ones last, so later ordinals (chunk-indexed RoPE) are stable.
+        order_key = torch.where(kept_valid, kept_starts, torch.full_like(kept_starts, 1 << 62))
+        order = torch.argsort(order_key, dim=1, stable=True)
+        kept_starts = torch.gather(kept_starts, 1, order)
+        kept_valid = torch.gather(kept_valid, 1, order)
+        if i == n_stages - 1:
+            return PruneResult(kept_starts, kept_valid, stage_inputs)
+        nxt = params.stages[i + 1].chunk_size
+        split = st.chunk_size // nxt
+        offs = torch.arange(split, device=q.device) * nxt
+        sub_starts = (kept_starts.unsqueeze(-1) + offs).reshape(n_blocks, -1)
+        sub_valid = kept_valid.unsqueeze(-1).expand(-1, -1, split).reshape(n_blocks, -1)
+        sub_valid = sub_valid & (sub_starts < key_limit.view(-1, 1))
+        cand = Candidates(sub_starts, sub_valid)
+    raise AssertionError("unreachable: at least one stage runs")
+
+
+# --------------------------------------------------------------------------- attention
+def sparse_key_mask(
+    params: PruneParams,
+    seq_len: int,
+    q_positions: torch.Tensor,
+    block_starts: torch.Tensor,
+    block_valid: torch.Tensor,
+) -> torch.Tensor:
+    """``[Nq, T]`` bool: the keys each query attends to in block-sparse attention (§1.7).
+
+    The union of the sink ``[0, n_sink)``, the query's window ``(p - n_stream, p]`` and its
+    block's selected blocks; causal; a key in two sources counts once.
+    """
+    device = q_positions.device
+    nq = q_positions.shape[0]
+    bk = params.block_size_k
+    n_blocks = block_starts.shape[0]
+    selected = torch.zeros(n_blocks, seq_len + bk, dtype=torch.bool, device=device)
+    if block_starts.numel():
+        tok = block_starts.unsqueeze(-1) + torch.arange(bk, device=device)  # [nb, K, bk]
+        tok = torch.where(block_valid.unsqueeze(-1), tok, torch.full_like(tok, seq_len))
+        selected.scatter_(1, tok.reshape(n_blocks, -1).clamp(max=seq_len + bk - 1), True)
+    selected = selected[:, :seq_len]
+    blk = query_block_ids(nq, params.block_size_q).to(device)
+    t = torch.arange(seq_len, device=device).view(1, -1)
+    p = q_positions.long().view(-1, 1)
+    mask = selected[blk] | (t < params.sink_tokens) | (t > p - params.window_tokens)
+    return mask & (t <= p)
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Softmax attention of ``q [Nq, Hq, D]`` over ``k, v [T, Hkv, D]`` where ``mask [Nq, T]``."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0).to(q.dtype),
+        v.transpose(0, 1).unsqueeze(0).to(q.dtype),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Exact causal attention of the last ``Nq`` positions over all ``T`` keys."""
+    t = torch.arange(k.shape[0], device=q.device).view(1, -1)
+    return masked_attention(q, k, v, t <= q_positions.long().view(-1, 1), scale)
+
+
+def sparse_attention(
+    params: PruneParams,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    prune: PruneResult | None = None,
+    query_group: int = 1024,
+) -> tuple[torch.Tensor, PruneResult, int]:
+    """Prune (unless ``prune`` is given), then block-sparse attention for one request.
+
+    Returns the output ``[Nq, Hq, D]``, the pruning result and the number of (query, key)
+    pairs attended, for the counters. Queries are processed ``query_group`` at a time (a whole
+    number of query blocks) to bound the mask's memory.
+    """
+    if prune is None:
+        prune = run_stages(params, q, k, q_positions, scale)
+    out = torch.empty_like(q)
+    attended = 0
+    bq = params.block_size_q
+    step = max(bq, (query_group // bq) * bq)
+    for lo in range(0, q.shape[0], step):
+        hi = min(q.shape[0], lo + step)
+        b_lo, b_hi = lo // bq, (hi + bq - 1) // bq
+        mask = sparse_key_mask(
+            params,
+            k.shape[0],
+            q_positions[lo:hi],
+            prune.block_starts[b_lo:b_hi],
+            prune.block_valid[b_lo:b_hi],
+        )
+        attended += int(mask.sum())
+        out[lo:hi] = masked_attention(q[lo:hi], k, v, mask, scale)
+    return out, prune, attended

@@ -1,0 +1,314 @@
+"""The ``INFINITEHIP`` attention backend for vLLM 0.26, modelled on ``triton_attn.py``.
+
+Four classes in data-flow order: the per-step metadata, its builder (once per step, all layers:
+which rows decode sparsely and at which refresh level), the backend (what vLLM asks before it
+runs), and the impl (per layer: write KV, then dense, sparse-prefill or sparse-decode attention).
+The compute lives in ``vllm_infinitehip.kernels``; this file decides what to run.
+
+KV cache layout: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` on every device, so the
+PyTorch reference (CPU) and the GPU kernels read the same cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from vllm_infinitehip.config import InfiniteHiPConfig
+from vllm_infinitehip.kernels import reference as ref
+from vllm_infinitehip.mask_state import LEVEL_NONE, DecodeState, DecodeStateStore, refresh_level
+from vllm_infinitehip.metrics import AttentionStats
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class InfiniteHiPMetadata:
+    num_actual_tokens: int
+    max_query_len: int
+    query_start_loc: torch.Tensor
+    max_seq_len: int
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    # host copies, one entry per request
+    query_start_loc_host: list[int]
+    seq_lens_host: list[int]
+    # per request: its decode state (None unless it decodes sparsely) and refresh level
+    decode_states: list[DecodeState | None]
+    refresh_levels: list[int]
+
+
+class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
+    # The reference path does host work per request; CUDA graphs come with the Triton path.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.config = InfiniteHiPConfig.from_vllm_config(vllm_config)
+        self.block_size = kv_cache_spec.block_size
+        self.decode_states = DecodeStateStore()
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> InfiniteHiPMetadata:
+        m = common_attn_metadata
+        qsl = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
+        seq_lens = m.seq_lens.cpu()[: m.num_reqs].tolist()
+        threshold = self.config.effective_dense_threshold
+        decode_rows = [
+            i
+            for i in range(m.num_reqs)
+            if qsl[i + 1] - qsl[i] == 1 and seq_lens[i] > threshold
+        ]
+        rows: list[list[int] | None] = [None] * m.num_reqs
+        if decode_rows:
+            table = m.block_table_tensor[decode_rows].cpu()
+            for j, i in enumerate(decode_rows):
+                n_blocks = (seq_lens[i] + self.block_size - 1) // self.block_size
+                rows[i] = table[j, :n_blocks].tolist()
+        states = self.decode_states.assign(rows, seq_lens, self.block_size)
+        levels = [
+            LEVEL_NONE if st is None else refresh_level(st.decode_step, self.config.refresh_intervals)
+            for st in states
+        ]
+        return InfiniteHiPMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            query_start_loc=m.query_start_loc,
+            max_seq_len=m.max_seq_len,
+            seq_lens=m.seq_lens,
+            block_table=m.block_table_tensor,
+            slot_mapping=m.slot_mapping,
+            query_start_loc_host=qsl,
+            seq_lens_host=seq_lens,
+            decode_states=states,
+            refresh_levels=levels,
+        )
+
+
+class InfiniteHiPBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = False
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+    ]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        # Attention.__init__ looks the backend up by this name in AttentionBackendEnum.
+        return "INFINITEHIP"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [32, 64, 96, 128, 256]
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @staticmethod
+    def get_impl_cls() -> type[InfiniteHiPImpl]:
+        return InfiniteHiPImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[InfiniteHiPMetadataBuilder]:
+        return InfiniteHiPMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def use_cascade_attention(*args, **kwargs) -> bool:
+        return False
+
+
+class InfiniteHiPImpl(AttentionImpl):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+        **unsupported,
+    ) -> None:
+        unsupported_features = {
+            "alibi_slopes": alibi_slopes is not None,
+            "sliding_window": sliding_window is not None,
+            "logits_soft_cap": bool(logits_soft_cap),
+            "attention sinks": sinks is not None,
+            "non-decoder attention": attn_type != AttentionType.DECODER,
+            "KV sharing": kv_sharing_target_layer_name is not None,
+        }
+        bad = [name for name, present in unsupported_features.items() if present]
+        if bad:
+            raise NotImplementedError(
+                f"--attention-backend infinitehip does not support {', '.join(bad)} "
+                f"(this model's attention layers use it); choose another backend"
+            )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = None
+        from vllm.config import get_current_vllm_config
+
+        self.config = InfiniteHiPConfig.from_vllm_config(get_current_vllm_config())
+        self.stats = AttentionStats()
+        self._params: ref.PruneParams | None = None
+        self._layer_name: str | None = None
+
+    def _prune_params(self, layer: AttentionLayer) -> ref.PruneParams:
+        if self._params is None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            self._layer_name = layer.layer_name
+            final_keep = self.config.final_keep_for_layer(extract_layer_index(layer.layer_name))
+            stages = [
+                ref.StageParams(s.chunk_size, s.keep_tokens, s.block_size_q, s.query_stride)
+                for s in self.config.stages
+            ]
+            last = stages[-1]
+            stages[-1] = ref.StageParams(
+                last.chunk_size, final_keep, last.block_size_q, last.query_stride
+            )
+            self._params = ref.PruneParams(
+                sink_tokens=self.config.sink_tokens,
+                window_tokens=self.config.window_tokens,
+                stages=tuple(stages),
+                probe=self.config.probe,
+            )
+        return self._params
+
+    def do_kv_cache_update(
+        self,
+        layer: AttentionLayer,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        ref.write_paged_kv(kv_cache, key, value, slot_mapping)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: InfiniteHiPMetadata,
+        output: torch.Tensor | None = None,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        assert output is not None
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("infinitehip does not fuse output quantization")
+        if attn_metadata is None:  # profiling run
+            return output.fill_(0)
+        params = self._prune_params(layer)
+        n_stages = len(params.stages)
+        m = attn_metadata
+        out = output[: m.num_actual_tokens].view(-1, self.num_heads, self.head_size)
+        q_all = query[: m.num_actual_tokens].view(-1, self.num_heads, self.head_size)
+        threshold = self.config.effective_dense_threshold
+        for i, seq_len in enumerate(m.seq_lens_host):
+            lo, hi = m.query_start_loc_host[i], m.query_start_loc_host[i + 1]
+            if hi == lo:
+                continue
+            q = q_all[lo:hi]
+            k, v = ref.gather_paged_kv(kv_cache, m.block_table[i], seq_len)
+            positions = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
+            if seq_len <= threshold:
+                out[lo:hi] = ref.dense_attention(q, k, v, positions, self.scale)
+                self.stats.dense_queries += hi - lo
+                continue
+            state = m.decode_states[i]
+            if state is None:  # a prefill chunk (or a lone query outside decode tracking)
+                o, _, attended = ref.sparse_attention(params, q, k, v, positions, self.scale)
+                self.stats.sparse_prefill_queries += hi - lo
+            else:
+                prune = self._decode_mask(params, state, m.refresh_levels[i], q, k, positions)
+                o, _, attended = ref.sparse_attention(
+                    params, q, k, v, positions, self.scale, prune=prune
+                )
+                self.stats.sparse_decode_queries += 1
+                self.stats.count_refresh(m.refresh_levels[i], n_stages)
+            out[lo:hi] = o
+            self.stats.sparse_attended_pairs += attended
+            self.stats.sparse_context_pairs += int((positions + 1).sum())
+        return output
+
+    def _decode_mask(
+        self,
+        params: ref.PruneParams,
+        state: DecodeState,
+        level: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> ref.PruneResult:
+        """The decode mask at this step's refresh level, from this layer's cached stage inputs."""
+        cached: ref.PruneResult | None = state.layers.get(self._layer_name)
+        n_stages = len(params.stages)
+        if cached is None:
+            level = 0
+        if level >= n_stages:
+            return cached
+        start_input = None if level == 0 else cached.stage_inputs[level]
+        prune = ref.run_stages(
+            params, q, k, positions, self.scale, start_stage=level, start_input=start_input
+        )
+        if level > 0:
+            prune.stage_inputs = cached.stage_inputs[:level] + prune.stage_inputs
+        state.layers[self._layer_name] = prune
+        return prune

@@ -1,0 +1,105 @@
+"""The few places where vLLM 0.26 has no extension point, patched in one small, documented spot each.
+
+1. ``AttentionBackendEnum`` has no way to add a name in 0.26 (``register_backend`` only overrides
+   existing members), yet ``--attention-backend infinitehip`` is looked up as
+   ``AttentionBackendEnum["INFINITEHIP"]``. :func:`add_backend_enum_member` adds the member.
+   Enum members pickle by value and vLLM pickles ``VllmConfig`` into spawned and Ray processes
+   *before* plugins load there, so the member pickles as a call that imports this plugin first.
+2. ``CpuPlatform.get_attn_backend_cls`` ignores the selected backend. :func:`route_cpu_platform`
+   routes an explicit ``infinitehip`` choice to our backend and leaves every other choice alone.
+3. There is no config hook for plugins, so :func:`validate_at_config_time` wraps the platform's
+   ``check_and_update_config`` (run while ``VllmConfig`` is built, in the user's process) to
+   validate ``additional_config["infinitehip"]`` where the user gave it.
+
+Each function is idempotent: ``register()`` runs in every vLLM process, sometimes more than once.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+BACKEND_NAME = "INFINITEHIP"
+BACKEND_CLASS_PATH = "vllm_infinitehip.backend.InfiniteHiPBackend"
+_PATCHED_MARK = "_infinitehip_patched"
+
+
+def _backend_member() -> Enum:
+    """Unpickling target: make sure the member exists in this process, then return it."""
+    from vllm_infinitehip import register
+
+    register()
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return AttentionBackendEnum[BACKEND_NAME]
+
+
+def _reduce_member(self: Enum, protocol: Any = None) -> tuple[Any, tuple[()]]:
+    return (_backend_member, ())
+
+
+def add_backend_enum_member() -> Enum:
+    """Add ``AttentionBackendEnum.INFINITEHIP`` (value: our backend's class path)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    members = AttentionBackendEnum._member_map_
+    if BACKEND_NAME in members:
+        return members[BACKEND_NAME]
+    member = object.__new__(AttentionBackendEnum)
+    member._name_ = BACKEND_NAME
+    member._value_ = BACKEND_CLASS_PATH
+    member._sort_order_ = len(AttentionBackendEnum._member_names_)
+    # Instance attribute: pickle looks __reduce_ex__ up on the object, so only this member
+    # changes how it pickles.
+    member.__reduce_ex__ = _reduce_member.__get__(member)  # type: ignore[method-assign]
+    type.__setattr__(AttentionBackendEnum, BACKEND_NAME, member)
+    members[BACKEND_NAME] = member
+    AttentionBackendEnum._member_names_.append(BACKEND_NAME)
+    AttentionBackendEnum._value2member_map_[BACKEND_CLASS_PATH] = member
+    return member
+
+
+def route_cpu_platform() -> None:
+    """Let an explicit ``infinitehip`` choice reach our backend on vLLM's CPU platform."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.get_attn_backend_cls
+    if getattr(original, _PATCHED_MARK, False):
+        return
+    original_func = original.__func__
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if selected_backend is not None and selected_backend.name == BACKEND_NAME:
+            return BACKEND_CLASS_PATH
+        return original_func(cls, selected_backend, attn_selector_config, num_heads)
+
+    setattr(get_attn_backend_cls, _PATCHED_MARK, True)
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)  # type: ignore
+
+
+def uses_infinitehip(vllm_config: Any) -> bool:
+    attention_config = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attention_config, "backend", None)
+    return backend is not None and getattr(backend, "name", None) == BACKEND_NAME
+
+
+def validate_at_config_time() -> None:
+    """Validate our config and adjust vLLM's while ``VllmConfig`` is built (user's process)."""
+    from vllm.platforms import current_platform
+
+    platform_cls = type(current_platform)
+    original = platform_cls.check_and_update_config
+    if getattr(original, _PATCHED_MARK, False):
+        return
+    original_func = original.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        if uses_infinitehip(vllm_config):
+            from vllm_infinitehip.config import InfiniteHiPConfig
+
+            # Raises InfiniteHiPConfigError (a ValueError) naming the bad field.
+            InfiniteHiPConfig.from_vllm_config(vllm_config)
+        return original_func(cls, vllm_config)
+
+    setattr(check_and_update_config, _PATCHED_MARK, True)
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)  # type: ignore

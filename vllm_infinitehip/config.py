@@ -1,0 +1,293 @@
+"""The one configuration object of the plugin, its presets and its validation.
+
+Users set it through vLLM's own ``--additional-config '{"infinitehip": {...}}'`` (or
+``LLM(..., additional_config={"infinitehip": {...}})``). It is parsed and validated once, in the
+process where the user gave it; a bad value raises :class:`InfiniteHiPConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+ADDITIONAL_CONFIG_KEY = "infinitehip"
+
+
+class InfiniteHiPConfigError(ValueError):
+    """A user-supplied InfiniteHiP setting is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """One pruning stage S(i) = (b_q, l_c, k): INFINITEHIP.md §1.1.
+
+    ``keep_tokens`` is the number of tokens that survive this stage (``k(i)``); it must be a
+    multiple of ``chunk_size``. ``query_stride`` average-pools that many consecutive queries of a
+    block before scoring.
+    """
+
+    chunk_size: int
+    keep_tokens: int
+    block_size_q: int = 64
+    query_stride: int = 1
+
+
+# INFINITEHIP.md §1.2: the code's defaults produced the paper's numbers, so presets follow the code.
+_3K_STAGES = (
+    StageConfig(chunk_size=256, keep_tokens=32768, block_size_q=64, query_stride=4),
+    StageConfig(chunk_size=32, keep_tokens=8192, block_size_q=64, query_stride=4),
+    StageConfig(chunk_size=8, keep_tokens=2048, block_size_q=64, query_stride=1),
+)
+_5K_STAGES = (
+    StageConfig(chunk_size=64, keep_tokens=32768, block_size_q=64, query_stride=4),
+    StageConfig(chunk_size=32, keep_tokens=16384, block_size_q=64, query_stride=4),
+    StageConfig(chunk_size=16, keep_tokens=4096, block_size_q=64, query_stride=1),
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The paper's "3k" refreshes at (16, 8, 4); the authors' code defaults to (32, 16, 8), which
+    # produced the measured numbers, so "3k" follows the code (and equals "3k-fast").
+    "3k": {"stages": _3K_STAGES, "refresh_intervals": (32, 16, 8)},
+    "3k-fast": {"stages": _3K_STAGES, "refresh_intervals": (32, 16, 8)},
+    "3k-flash": {"stages": _3K_STAGES, "refresh_intervals": (96, 24, 8)},
+    "5k": {"stages": _5K_STAGES, "refresh_intervals": (32, 16, 8)},
+}
+
+PROBE_RULES = ("midpoint", "first")
+
+
+@dataclass(frozen=True)
+class InfiniteHiPConfig:
+    """Everything the backend needs to know; immutable once validated.
+
+    Fields (all settable through ``additional_config["infinitehip"]``):
+
+    - ``preset``: ``3k`` (default), ``3k-fast``, ``3k-flash`` or ``5k``; supplies ``stages`` and
+      ``refresh_intervals`` unless those are given too.
+    - ``sink_tokens``: the first tokens every query attends to (n_sink).
+    - ``window_tokens``: the sliding window of the most recent tokens (n_stream).
+    - ``stages``: list of ``{"chunk_size", "keep_tokens", "block_size_q", "query_stride"}``.
+    - ``dense_layer_keep_tokens`` / ``dense_layers``: layers that keep a larger final budget.
+    - ``refresh_intervals``: one decode-step interval per stage for recomputing the mask.
+    - ``dense_threshold``: sequences up to this many tokens run exact dense attention.
+      ``None`` means sink + window + final budget, the point below which sparsity saves nothing.
+    - ``probe``: SelectRep probe rule, ``midpoint`` (code, default) or ``first`` (paper).
+    - ``block_size_k``: granularity of selected blocks in block-sparse attention (= last chunk).
+    """
+
+    preset: str = "3k"
+    sink_tokens: int = 256
+    window_tokens: int = 1024
+    stages: tuple[StageConfig, ...] = _3K_STAGES
+    refresh_intervals: tuple[int, ...] = (32, 16, 8)
+    dense_layers: tuple[int, ...] = (0, 1, 2, 3)
+    dense_layer_keep_tokens: int = 4096
+    dense_threshold: int | None = None
+    probe: str = "midpoint"
+
+    @property
+    def final_keep_tokens(self) -> int:
+        return self.stages[-1].keep_tokens
+
+    @property
+    def block_size_k(self) -> int:
+        return self.stages[-1].chunk_size
+
+    @property
+    def effective_dense_threshold(self) -> int:
+        if self.dense_threshold is not None:
+            return self.dense_threshold
+        return self.sink_tokens + self.window_tokens + self.final_keep_tokens
+
+    def final_keep_for_layer(self, layer_index: int) -> int:
+        if layer_index in self.dense_layers:
+            return max(self.dense_layer_keep_tokens, self.final_keep_tokens)
+        return self.final_keep_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["stages"] = [dataclasses.asdict(s) for s in self.stages]
+        out["refresh_intervals"] = list(self.refresh_intervals)
+        out["dense_layers"] = list(self.dense_layers)
+        return out
+
+    def summary(self) -> str:
+        stages = ", ".join(
+            f"(b_q={s.block_size_q}/{s.query_stride}, l_c={s.chunk_size}, k={s.keep_tokens})"
+            for s in self.stages
+        )
+        return (
+            f"preset={self.preset} sink={self.sink_tokens} window={self.window_tokens} "
+            f"stages=[{stages}] refresh={list(self.refresh_intervals)} "
+            f"dense_threshold={self.effective_dense_threshold} probe={self.probe} "
+            f"dense_layers={list(self.dense_layers)}->k={self.dense_layer_keep_tokens}"
+        )
+
+    # ---------------------------------------------------------------- parsing
+    @classmethod
+    def from_user(cls, raw: Any) -> InfiniteHiPConfig:
+        """Parse the user's ``infinitehip`` dict (or JSON string); raise on any bad field."""
+        if raw is None:
+            raw = {}
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise InfiniteHiPConfigError(f"`infinitehip` is not valid JSON: {e}") from None
+        if isinstance(raw, InfiniteHiPConfig):
+            return raw
+        if not isinstance(raw, dict):
+            raise InfiniteHiPConfigError(
+                f"`infinitehip` must be an object, got {type(raw).__name__}"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in raw:
+            if key not in known:
+                raise InfiniteHiPConfigError(
+                    f"unknown field `infinitehip.{key}`; valid fields: {', '.join(sorted(known))}"
+                )
+        preset = raw.get("preset", "3k")
+        if not isinstance(preset, str) or preset not in PRESETS:
+            raise InfiniteHiPConfigError(
+                f"`infinitehip.preset`={preset!r} is not one of {', '.join(PRESETS)}"
+            )
+        values: dict[str, Any] = copy.deepcopy(PRESETS[preset])
+        values["preset"] = preset
+        for key, value in raw.items():
+            if key == "preset":
+                continue
+            values[key] = value
+
+        kwargs: dict[str, Any] = {"preset": preset}
+        for name in ("sink_tokens", "window_tokens", "dense_layer_keep_tokens"):
+            if name in values:
+                kwargs[name] = _int(values[name], f"infinitehip.{name}", minimum=0)
+        if "dense_threshold" in values:
+            v = values["dense_threshold"]
+            kwargs["dense_threshold"] = (
+                None if v is None else _int(v, "infinitehip.dense_threshold", minimum=0)
+            )
+        if "probe" in values:
+            probe = values["probe"]
+            if probe not in PROBE_RULES:
+                raise InfiniteHiPConfigError(
+                    f"`infinitehip.probe`={probe!r} is not one of {', '.join(PROBE_RULES)}"
+                )
+            kwargs["probe"] = probe
+        if "dense_layers" in values:
+            kwargs["dense_layers"] = tuple(
+                _int(v, f"infinitehip.dense_layers[{i}]", minimum=0)
+                for i, v in enumerate(_list(values["dense_layers"], "infinitehip.dense_layers"))
+            )
+        kwargs["stages"] = tuple(
+            _stage(s, i) for i, s in enumerate(_list(values["stages"], "infinitehip.stages"))
+        )
+        kwargs["refresh_intervals"] = tuple(
+            _int(v, f"infinitehip.refresh_intervals[{i}]", minimum=1)
+            for i, v in enumerate(
+                _list(values["refresh_intervals"], "infinitehip.refresh_intervals")
+            )
+        )
+        config = cls(**kwargs)
+        config.validate()
+        return config
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> InfiniteHiPConfig:
+        additional = getattr(vllm_config, "additional_config", None) or {}
+        return cls.from_user(additional.get(ADDITIONAL_CONFIG_KEY))
+
+    def validate(self) -> None:
+        """Cross-field consistency; raises :class:`InfiniteHiPConfigError` naming the field."""
+        if not self.stages:
+            raise InfiniteHiPConfigError("`infinitehip.stages` must hold at least one stage")
+        if len(self.refresh_intervals) != len(self.stages):
+            raise InfiniteHiPConfigError(
+                f"`infinitehip.refresh_intervals` has {len(self.refresh_intervals)} entries but "
+                f"there are {len(self.stages)} stages: give one interval per stage"
+            )
+        for i in range(1, len(self.refresh_intervals)):
+            if self.refresh_intervals[i] > self.refresh_intervals[i - 1]:
+                raise InfiniteHiPConfigError(
+                    f"`infinitehip.refresh_intervals[{i}]`={self.refresh_intervals[i]} must not "
+                    f"exceed refresh_intervals[{i - 1}]={self.refresh_intervals[i - 1]}: a later "
+                    f"stage refreshes at least as often as an earlier one"
+                )
+        for i, s in enumerate(self.stages):
+            where = f"infinitehip.stages[{i}]"
+            if s.keep_tokens % s.chunk_size:
+                raise InfiniteHiPConfigError(
+                    f"`{where}.keep_tokens`={s.keep_tokens} must be a multiple of "
+                    f"`{where}.chunk_size`={s.chunk_size}"
+                )
+            if s.block_size_q % s.query_stride:
+                raise InfiniteHiPConfigError(
+                    f"`{where}.query_stride`={s.query_stride} must divide "
+                    f"`{where}.block_size_q`={s.block_size_q}"
+                )
+            if i > 0:
+                prev = self.stages[i - 1]
+                if prev.chunk_size % s.chunk_size:
+                    raise InfiniteHiPConfigError(
+                        f"`{where}.chunk_size`={s.chunk_size} must divide "
+                        f"`infinitehip.stages[{i - 1}].chunk_size`={prev.chunk_size}"
+                    )
+                if s.keep_tokens > prev.keep_tokens:
+                    raise InfiniteHiPConfigError(
+                        f"`{where}.keep_tokens`={s.keep_tokens} must not exceed "
+                        f"`infinitehip.stages[{i - 1}].keep_tokens`={prev.keep_tokens}"
+                    )
+                if s.block_size_q != prev.block_size_q:
+                    raise InfiniteHiPConfigError(
+                        f"`{where}.block_size_q`={s.block_size_q} must equal "
+                        f"`infinitehip.stages[{i - 1}].block_size_q`={prev.block_size_q}: "
+                        f"all stages share the query blocks"
+                    )
+        first = self.stages[0].chunk_size
+        if self.window_tokens < first:
+            raise InfiniteHiPConfigError(
+                f"`infinitehip.window_tokens`={self.window_tokens} must be at least "
+                f"`infinitehip.stages[0].chunk_size`={first}"
+            )
+        if self.dense_layer_keep_tokens % self.block_size_k:
+            raise InfiniteHiPConfigError(
+                f"`infinitehip.dense_layer_keep_tokens`={self.dense_layer_keep_tokens} must be "
+                f"a multiple of the last stage's chunk_size={self.block_size_k}"
+            )
+
+
+def _int(value: Any, where: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InfiniteHiPConfigError(
+            f"`{where}`={value!r} must be an integer, got {type(value).__name__}"
+        )
+    if value < minimum:
+        raise InfiniteHiPConfigError(f"`{where}`={value} must be >= {minimum}")
+    return value
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if not isinstance(value, (list, tuple)):
+        raise InfiniteHiPConfigError(f"`{where}` must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _stage(raw: Any, i: int) -> StageConfig:
+    where = f"infinitehip.stages[{i}]"
+    if isinstance(raw, StageConfig):
+        return raw
+    if not isinstance(raw, dict):
+        raise InfiniteHiPConfigError(f"`{where}` must be an object, got {type(raw).__name__}")
+    names = {f.name for f in dataclasses.fields(StageConfig)}
+    for key in raw:
+        if key not in names:
+            raise InfiniteHiPConfigError(
+                f"unknown field `{where}.{key}`; valid fields: {', '.join(sorted(names))}"
+            )
+    for required in ("chunk_size", "keep_tokens"):
+        if required not in raw:
+            raise InfiniteHiPConfigError(f"`{where}.{required}` is required")
+    return StageConfig(**{k: _int(v, f"{where}.{k}", minimum=1) for k, v in raw.items()})
