@@ -139,6 +139,30 @@ def pool_queries(q: torch.Tensor, block_size_q: int, stride: int) -> torch.Tenso
 
 
 # --------------------------------------------------------------------------- SelectRep
+def key_score_table(
+    q_pooled: torch.Tensor, k: torch.Tensor, num_keys: int, blocks_per_step: int = 8
+) -> torch.Tensor:
+    """``[n_blocks, H_q, num_keys]``: each key's best score over a block's (pooled) queries.
+
+    ``q_pooled`` is ``[n_blocks, H_q, n_q, D]`` (scaled; NaN rows are absent queries), ``k`` is
+    ``[T, H_kv, D]``. SelectRep only ever asks for ``max_q <q, k_t>``, so one GQA matmul per group
+    of blocks answers every probe of a stage.
+    """
+    nb, hq, nq, d = q_pooled.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    kt = k[:num_keys].float().permute(1, 2, 0)  # [H_kv, D, T]
+    absent = torch.isnan(q_pooled[..., :1])  # [nb, hq, nq, 1]
+    qz = torch.nan_to_num(q_pooled, nan=0.0)
+    table = q_pooled.new_empty(nb, hq, num_keys)
+    for lo in range(0, nb, blocks_per_step):
+        hi = min(nb, lo + blocks_per_step)
+        qg = qz[lo:hi].view(hi - lo, hkv, group * nq, d)
+        s = torch.matmul(qg, kt).view(hi - lo, hq, nq, num_keys)
+        table[lo:hi] = s.masked_fill(absent[lo:hi], NEG_INF).amax(dim=2)
+    return table
+
+
 def select_rep_scores(
     q_pooled: torch.Tensor,
     k: torch.Tensor,
@@ -152,34 +176,27 @@ def select_rep_scores(
     ``q_pooled`` is ``[n_blocks, H_q, n_q, D]`` and already multiplied by the softmax scale;
     ``k`` is ``[T, H_kv, D]``. Chunk ``j`` of block ``b`` covers
     ``[starts[b, j], min(starts[b, j] + chunk_size, key_limit[b]))``. Each head bisects its own
-    path; the chunk score is the best probe score, max-reduced over queries and then over heads
-    (so all heads of a layer share the ranking). Invalid or empty chunks score ``-inf``.
-    Returns ``[n_blocks, C]`` float32.
+    path: at each step it probes one key per half (the half's midpoint, or its first key) and
+    descends into the half whose probe scores higher (max over the block's queries). The chunk
+    score is the best probe score seen, max-reduced over heads, so all heads of a layer share the
+    ranking. Invalid or empty chunks score ``-inf``. Returns ``[n_blocks, C]`` float32.
     """
-    nb, hq, _, d = q_pooled.shape
-    hkv = k.shape[1]
-    group = hq // hkv
+    nb, hq = q_pooled.shape[:2]
     c = cand.starts.shape[1]
     if c == 0:
         return q_pooled.new_empty(nb, 0)
-    kf = k.float()
-    head_kv = (torch.arange(hq, device=k.device) // group).view(1, hq, 1)
-    q_nan = torch.isnan(q_pooled[..., 0])  # [nb, hq, nq]
-    qz = torch.nan_to_num(q_pooled, nan=0.0)
+    num_keys = int(key_limit.max())
+    table = key_score_table(q_pooled, k, num_keys).view(nb * hq, num_keys)
+    row = (torch.arange(nb * hq, device=k.device) * num_keys).view(nb, hq, 1)
+
+    def probe_score(pos: torch.Tensor) -> torch.Tensor:
+        return table.view(-1)[row + pos.clamp(0, num_keys - 1)]
 
     left = cand.starts.view(nb, 1, c).expand(nb, hq, c).clone()
     right = torch.minimum(cand.starts + chunk_size, key_limit.view(nb, 1)).view(nb, 1, c)
     right = right.expand(nb, hq, c).clone()
     valid = (cand.valid & (cand.starts < key_limit.view(nb, 1))).view(nb, 1, c).expand(nb, hq, c)
     best = torch.full((nb, hq, c), NEG_INF, device=k.device)
-
-    def probe_score(pos: torch.Tensor) -> torch.Tensor:
-        idx = pos.clamp(0, kf.shape[0] - 1)
-        keys = kf[idx, head_kv.expand_as(idx)]  # [nb, hq, c, d]
-        s = torch.einsum("bhqd,bhcd->bhqc", qz, keys)
-        s = s.masked_fill(q_nan.unsqueeze(-1), NEG_INF)
-        return s.amax(dim=2)  # max over the block's (pooled) queries
-
     for _ in range(max(1, math.ceil(math.log2(max(chunk_size, 2))))):
         live = valid & (right - left > 1)
         if not bool(live.any()):
@@ -197,8 +214,7 @@ def select_rep_scores(
 
     # A chunk of one key (or a partial chunk narrowed to one) is scored by that key alone.
     single = valid & torch.isneginf(best)
-    if bool(single.any()):
-        best = torch.where(single, probe_score(left), best)
+    best = torch.where(single, probe_score(left), best)
     best = best.masked_fill(~valid, NEG_INF)
     return best.amax(dim=1)  # head reduction
 
@@ -253,9 +269,14 @@ def run_stages(
     for i in range(start_stage, n_stages):
         st = params.stages[i]
         stage_inputs.append(cand)
-        qp = pool_queries(q, bq, st.query_stride) * scale
-        scores = select_rep_scores(qp, k, cand, st.chunk_size, key_limit, params.probe)
-        keep = min(st.keep_tokens // st.chunk_size, scores.shape[1])
+        keep = min(st.keep_tokens // st.chunk_size, cand.starts.shape[1])
+        live = cand.valid & (cand.starts < key_limit.view(-1, 1))
+        if live.numel() == 0 or int(live.sum(1).max()) <= keep:
+            # Every live chunk survives the top-k, so the scores cannot change the outcome.
+            scores = torch.where(live, 0.0, NEG_INF)
+        else:
+            qp = pool_queries(q, bq, st.query_stride) * scale
+            scores = select_rep_scores(qp, k, cand, st.chunk_size, key_limit, params.probe)
         top_scores, top_idx = torch.topk(scores, keep, dim=1)
         kept_valid = ~torch.isneginf(top_scores)
         kept_starts = torch.gather(cand.starts, 1, top_idx)
@@ -326,6 +347,16 @@ def dense_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Exact causal attention of the last ``Nq`` positions over all ``T`` keys."""
+    if q.shape[0] == k.shape[0]:  # a whole prompt: the fused causal kernel
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            v.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return out.squeeze(0).transpose(0, 1)
     t = torch.arange(k.shape[0], device=q.device).view(1, -1)
     return masked_attention(q, k, v, t <= q_positions.long().view(-1, 1), scale)
 
@@ -338,13 +369,14 @@ def sparse_attention(
     q_positions: torch.Tensor,
     scale: float,
     prune: PruneResult | None = None,
-    query_group: int = 1024,
+    query_group: int = 256,
 ) -> tuple[torch.Tensor, PruneResult, int]:
     """Prune (unless ``prune`` is given), then block-sparse attention for one request.
 
     Returns the output ``[Nq, Hq, D]``, the pruning result and the number of (query, key)
     pairs attended, for the counters. Queries are processed ``query_group`` at a time (a whole
-    number of query blocks) to bound the mask's memory.
+    number of query blocks); each group gathers only the keys some of its queries attend to,
+    so the work follows the sparsity rather than the context length.
     """
     if prune is None:
         prune = run_stages(params, q, k, q_positions, scale)
@@ -363,5 +395,6 @@ def sparse_attention(
             prune.block_valid[b_lo:b_hi],
         )
         attended += int(mask.sum())
-        out[lo:hi] = masked_attention(q[lo:hi], k, v, mask, scale)
+        cols = mask.any(0).nonzero().squeeze(1)
+        out[lo:hi] = masked_attention(q[lo:hi], k[cols], v[cols], mask[:, cols], scale)
     return out, prune, attended

@@ -70,6 +70,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         self.config = InfiniteHiPConfig.from_vllm_config(vllm_config)
         self.block_size = kv_cache_spec.block_size
         self.decode_states = DecodeStateStore()
+        logger.info_once("InfiniteHiP config: %s", self.config.summary())
 
     def build(
         self,

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The README's main-job command: set up .venv if missing or stale, then run the CPU demo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+exec .venv/bin/python examples/demo.py "$@"

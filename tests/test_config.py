@@ -1,0 +1,78 @@
+import pytest
+
+from vllm_infinitehip.config import PRESETS, InfiniteHiPConfig, InfiniteHiPConfigError
+
+
+def test_default_is_3k_with_code_defaults():
+    c = InfiniteHiPConfig.from_user(None)
+    assert c.preset == "3k"
+    assert (c.sink_tokens, c.window_tokens) == (256, 1024)
+    assert [(s.chunk_size, s.keep_tokens, s.query_stride) for s in c.stages] == [
+        (256, 32768, 4),
+        (32, 8192, 4),
+        (8, 2048, 1),
+    ]
+    assert c.refresh_intervals == (32, 16, 8)
+    assert c.effective_dense_threshold == 256 + 1024 + 2048
+    assert c.final_keep_for_layer(0) == 4096 and c.final_keep_for_layer(10) == 2048
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_validates(preset):
+    c = InfiniteHiPConfig.from_user({"preset": preset})
+    assert c.preset == preset
+    assert c.refresh_intervals == PRESETS[preset]["refresh_intervals"]
+
+
+def test_presets_differ_as_documented():
+    assert InfiniteHiPConfig.from_user({"preset": "3k-flash"}).refresh_intervals == (96, 24, 8)
+    five = InfiniteHiPConfig.from_user({"preset": "5k"})
+    assert [s.chunk_size for s in five.stages] == [64, 32, 16]
+    assert [s.keep_tokens for s in five.stages] == [32768, 16384, 4096]
+
+
+def test_every_field_overridable_and_json_string():
+    c = InfiniteHiPConfig.from_user(
+        '{"preset": "3k-fast", "sink_tokens": 64, "window_tokens": 512, "dense_threshold": 100,'
+        ' "probe": "first", "dense_layers": [0], "dense_layer_keep_tokens": 1024,'
+        ' "refresh_intervals": [8, 4, 2],'
+        ' "stages": [{"chunk_size": 64, "keep_tokens": 2048}, {"chunk_size": 16, "keep_tokens": 1024},'
+        ' {"chunk_size": 4, "keep_tokens": 256}]}'
+    )
+    assert (c.sink_tokens, c.window_tokens, c.effective_dense_threshold) == (64, 512, 100)
+    assert c.probe == "first" and c.dense_layers == (0,) and c.block_size_k == 4
+    assert c.refresh_intervals == (8, 4, 2)
+    assert InfiniteHiPConfig.from_user(c.to_dict()) == c
+
+
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        ({"sink_token": 1}, "infinitehip.sink_token"),
+        ({"preset": "7k"}, "infinitehip.preset"),
+        ({"sink_tokens": "256"}, "infinitehip.sink_tokens"),
+        ({"window_tokens": True}, "infinitehip.window_tokens"),
+        ({"probe": "centre"}, "infinitehip.probe"),
+        ({"refresh_intervals": [8, 4]}, "infinitehip.refresh_intervals"),
+        ({"refresh_intervals": [8, 16, 4]}, "infinitehip.refresh_intervals[1]"),
+        (
+            {"stages": [{"chunk_size": 256, "keep_tokens": 4096}, {"chunk_size": 48, "keep_tokens": 480},
+                        {"chunk_size": 8, "keep_tokens": 256}]},
+            "infinitehip.stages[1].chunk_size",
+        ),
+        (
+            {"stages": [{"chunk_size": 256, "keep_tokens": 1000}, {"chunk_size": 32, "keep_tokens": 512},
+                        {"chunk_size": 8, "keep_tokens": 256}]},
+            "infinitehip.stages[0].keep_tokens",
+        ),
+        ({"window_tokens": 128}, "infinitehip.window_tokens"),
+        ({"stages": [{"chunk_size": 8}]}, "infinitehip.stages[0].keep_tokens"),
+        ({"stages": [{"chunk_size": 8, "keep_tokens": 64, "size": 1}]}, "infinitehip.stages[0].size"),
+        ({"dense_layers": [-1]}, "infinitehip.dense_layers[0]"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_bad_config_names_the_field(raw, field):
+    with pytest.raises(InfiniteHiPConfigError) as e:
+        InfiniteHiPConfig.from_user(raw)
+    assert field in str(e.value)

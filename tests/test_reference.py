@@ -1,0 +1,145 @@
+"""The PyTorch reference against dense attention and against hand-checked cases."""
+
+import pytest
+import torch
+
+from vllm_infinitehip.kernels import reference as ref
+
+
+def params(sink=16, window=64, chunks=(32, 8, 4), keeps=(4096, 2048, 1024), bq=16, strides=(4, 4, 1),
+           probe="midpoint"):
+    stages = tuple(ref.StageParams(c, k, bq, s) for c, k, s in zip(chunks, keeps, strides))
+    return ref.PruneParams(sink, window, stages, probe)
+
+
+def rand_qkv(t, nq, hq, hkv, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(nq, hq, d, generator=g)
+    k = torch.randn(t, hkv, d, generator=g)
+    v = torch.randn(t, hkv, d, generator=g)
+    return q, k, v
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (7, 1)])
+@pytest.mark.parametrize("bq,chunks", [(16, (32, 8, 4)), (32, (64, 16, 8)), (8, (16, 4, 2))])
+@pytest.mark.parametrize("mode", ["prefill", "chunked-prefill", "decode"])
+def test_full_budget_equals_dense(hq, hkv, bq, chunks, mode):
+    t = 333
+    nq = {"prefill": t, "chunked-prefill": 100, "decode": 1}[mode]
+    q, k, v = rand_qkv(t, nq, hq, hkv, 32, seed=hq * 100 + bq)
+    pos = torch.arange(t - nq, t)
+    p = params(chunks=chunks, keeps=(1 << 14, 1 << 13, 1 << 12), bq=bq, window=chunks[0] + 3)
+    out, prune, attended = ref.sparse_attention(p, q, k, v, pos, 0.17)
+    dense = ref.dense_attention(q, k, v, pos, 0.17)
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+    assert attended == int((pos + 1).sum())  # every causal pair exactly once
+
+
+def test_small_budget_is_sparse_and_respects_structure():
+    t, nq = 2000, 64
+    q, k, v = rand_qkv(t, nq, 4, 2, 32, seed=1)
+    pos = torch.arange(t - nq, t)
+    p = params(sink=16, window=64, chunks=(32, 8, 4), keeps=(512, 128, 64), bq=16)
+    prune = ref.run_stages(p, q, k, pos, 0.2)
+    assert prune.block_starts.shape == (4, 16)  # 64 final tokens / 4-token blocks
+    assert bool(prune.block_valid.all())
+    starts = prune.block_starts
+    assert bool((starts[:, 1:] > starts[:, :-1]).all()), "sorted, no duplicates"
+    assert bool(((starts - 16) % 4 == 0).all()) and bool((starts >= 16).all())
+    mask = ref.sparse_key_mask(p, t, pos, prune.block_starts, prune.block_valid)
+    for row, qp in zip(mask, pos.tolist()):
+        n = int(row.sum())
+        assert n <= 16 + 64 + 64 and bool(row[:16].all()) and bool(row[qp - 63 : qp + 1].all())
+        assert not bool(row[qp + 1 :].any())
+
+
+def test_planted_needles_are_selected_and_output_matches_dense():
+    # Real keys are locally smooth; a needle is a bump of keys aligned with the query whose
+    # score peaks at a random position far outside the window. SelectRep must climb to it.
+    t, hq, hkv, d = 4096, 4, 2, 64
+    q, k, v = rand_qkv(t, 1, hq, hkv, d, seed=3)
+    k *= 0.05  # background keys score near zero
+    g = torch.Generator().manual_seed(7)
+    needles = (torch.randperm(t - 800, generator=g)[:5] + 300).tolist()
+    direction = q[0].view(hkv, hq // hkv, d).mean(1)
+    for n in needles:
+        for j in range(-48, 49):
+            k[n + j] += direction * 3.0 * (1 - abs(j) / 48)
+    pos = torch.tensor([t - 1])
+    p = params(sink=16, window=64, chunks=(64, 16, 4), keeps=(1024, 512, 128), bq=16,
+               strides=(1, 1, 1))
+    out, prune, attended = ref.sparse_attention(p, q, k, v, pos, d**-0.5)
+    selected = set()
+    for s, ok in zip(prune.block_starts[0].tolist(), prune.block_valid[0].tolist()):
+        if ok:
+            selected.update(range(s, s + 4))
+    assert set(needles) <= selected
+    assert attended <= 16 + 64 + 128
+    dense = ref.dense_attention(q, k, v, pos, d**-0.5)
+    torch.testing.assert_close(out, dense, rtol=0.02, atol=0.02)
+    # a budget that misses the needles would not match: the window and sink alone are far off
+    mask = ref.sparse_key_mask(p, t, pos, prune.block_starts[:, :0], prune.block_valid[:, :0])
+    assert (ref.masked_attention(q, k, v, mask, d**-0.5) - dense).abs().max() > 0.1
+
+
+def test_select_rep_probe_rules_by_hand():
+    # one block, one head, one chunk [0, 8): bisection picks the half whose probe scores higher
+    d = 4
+    k = torch.zeros(8, 1, d)
+    q = torch.zeros(1, 1, 1, d)
+    q[..., 0] = 1.0
+    k[:, 0, 0] = torch.tensor([0.0, 1, 2, 9, 3, 0, 0, 0])
+    cand = ref.Candidates(torch.tensor([[0]]), torch.tensor([[True]]))
+    limit = torch.tensor([8])
+    # midpoint: probes 2 vs 6 -> left (2>0); [0,4): probes 1 vs 3 -> right, score 9; [2,4): 2 vs 3
+    mid = ref.select_rep_scores(q, k, cand, 8, limit, "midpoint")
+    assert mid.item() == 9.0
+    # first: probes 0 vs 4 -> right (3); [4,8): 4 vs 6 -> left (3); [4,6): 4 vs 5 -> 3
+    first = ref.select_rep_scores(q, k, cand, 8, limit, "first")
+    assert first.item() == 3.0
+
+
+def test_chunk_activity_leaves_window_to_the_window():
+    p = params(sink=16, window=64, chunks=(32, 8, 4), bq=16)
+    cand = ref.first_stage_candidates(p, 300, torch.tensor([100, 299]))
+    # sw' = 64 - 32 = 32: a chunk is active when its start <= min_pos - 32
+    assert cand.starts[0].tolist() == [16 + 32 * j for j in range(9)]
+    assert cand.valid[0].tolist() == [s <= 68 for s in cand.starts[0].tolist()]
+    assert cand.valid[1].tolist() == [s <= 267 for s in cand.starts[1].tolist()]
+
+
+def test_resuming_from_cached_stage_input_reproduces_the_mask():
+    t = 3000
+    q, k, _ = rand_qkv(t, 1, 4, 2, 32, seed=5)
+    pos = torch.tensor([t - 1])
+    p = params(sink=16, window=64, chunks=(64, 16, 4), keeps=(1024, 256, 64), bq=16)
+    full = ref.run_stages(p, q, k, pos, 0.2)
+    for level in (1, 2):
+        again = ref.run_stages(
+            p, q, k, pos, 0.2, start_stage=level, start_input=full.stage_inputs[level]
+        )
+        assert torch.equal(again.block_starts, full.block_starts)
+        assert torch.equal(again.block_valid, full.block_valid)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_write_and_gather_roundtrip(block_size):
+    g = torch.Generator().manual_seed(0)
+    n_blocks, hkv, d, t = 40, 2, 8, 70
+    cache = torch.full((n_blocks, 2, block_size, hkv, d), float("nan"))
+    table = torch.randperm(n_blocks, generator=g)[: (t + block_size - 1) // block_size]
+    k = torch.randn(t, hkv, d, generator=g)
+    v = torch.randn(t, hkv, d, generator=g)
+    slots = table[torch.arange(t) // block_size] * block_size + torch.arange(t) % block_size
+    slots_padded = torch.cat([slots, torch.tensor([-1, -1])])
+    ref.write_paged_kv(cache, torch.cat([k, k[:2]]), torch.cat([v, v[:2]]), slots_padded)
+    k2, v2 = ref.gather_paged_kv(cache, table, t)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_pool_queries_partial_block():
+    q = torch.arange(10, dtype=torch.float32).view(10, 1, 1)
+    pooled = ref.pool_queries(q, block_size_q=8, stride=4)  # blocks [0..7], [8, 9]
+    assert pooled.shape == (2, 1, 2, 1)
+    assert pooled[0, 0, :, 0].tolist() == [1.5, 5.5]
+    assert pooled[1, 0, 0, 0].item() == 8.5 and torch.isnan(pooled[1, 0, 1, 0])

@@ -1,0 +1,145 @@
+"""The backend inside real vLLM 0.26 on the CPU, with a tiny random Llama and a real tokenizer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ENGINE_KW
+from vllm_infinitehip.metrics import collect_stats
+
+pytestmark = pytest.mark.vllm
+
+SHORT_PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "In a hole in the ground there lived a hobbit. " * 20,
+    "def fibonacci(n):",
+]
+
+
+def stats(llm, reset=True):
+    return llm.collective_rpc(collect_stats, kwargs={"reset": reset})[0]
+
+
+def greedy(llm, prompts, max_tokens):
+    from vllm import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def default_backend_tokens(tiny_model, tmp_path_factory):
+    """vLLM's default CPU attention (CPU_ATTN) on the short prompts, in its own process."""
+    d = tmp_path_factory.mktemp("default")
+    spec = {"engine": ENGINE_KW, "prompts": SHORT_PROMPTS, "max_tokens": 24}
+    (d / "in.json").write_text(json.dumps(spec))
+    helper = Path(__file__).parent / "helpers" / "generate.py"
+    subprocess.run(
+        [sys.executable, str(helper), tiny_model, "default", str(d / "in.json"), str(d / "out.json")],
+        check=True,
+        timeout=600,
+    )
+    return json.loads((d / "out.json").read_text())
+
+
+def test_short_prompts_match_default_backend_exactly(hip_llm, default_backend_tokens):
+    stats(hip_llm)
+    ours = greedy(hip_llm, SHORT_PROMPTS, 24)
+    assert ours == default_backend_tokens
+    s = stats(hip_llm)
+    assert s["layers"] == 2
+    assert s["dense_queries"] > 0
+    assert s["sparse_prefill_queries"] == 0 and s["sparse_decode_queries"] == 0
+
+
+def long_prompt(n_words: int, tag: str) -> str:
+    return f"{tag}. " + " ".join(f"item{i % 97}" for i in range(n_words)) + " The end is"
+
+
+def test_long_prompts_run_the_sparse_path(hip_llm):
+    stats(hip_llm)
+    prompts = [long_prompt(1500, "alpha"), long_prompt(2200, "beta")]
+    toks = greedy(hip_llm, prompts, 20)
+    assert all(len(t) == 20 for t in toks)
+    s = stats(hip_llm)
+    n_layers = 2
+    prompt_lens = [len(hip_llm.get_tokenizer().encode(p)) for p in prompts]
+    assert min(prompt_lens) > 3000
+    # every prompt token and every decode step of both requests ran sparsely in both layers
+    assert s["sparse_prefill_queries"] == n_layers * sum(prompt_lens)
+    assert s["sparse_decode_queries"] == n_layers * 2 * 19
+    assert s["dense_queries"] == 0
+    # budget: sink 32 + window 256 + 256 selected tokens per query, far below the context
+    assert s["sparsity"] > 0.7
+    # refresh schedule (8, 4, 2) over decode steps 0..18 of each request
+    per_req = {"0": 3, "1": 2, "2": 5, "reuse": 9}
+    assert s["refreshes"] == {k: v * 2 * n_layers for k, v in per_req.items()}
+
+
+def test_sparse_path_is_deterministic_across_batchings(hip_llm):
+    prompts = [long_prompt(1500, "alpha"), long_prompt(2200, "beta")]
+    together = greedy(hip_llm, prompts, 12)
+    alone = [greedy(hip_llm, [p], 12)[0] for p in prompts]
+    assert together == alone
+
+
+def test_one_batch_mixes_short_and_long_prompts(hip_llm, default_backend_tokens):
+    stats(hip_llm)
+    prompts = [SHORT_PROMPTS[0], long_prompt(2000, "gamma"), SHORT_PROMPTS[1], long_prompt(1200, "delta")]
+    toks = greedy(hip_llm, prompts, 24)
+    # short requests stay exact even when batched with sparse ones
+    assert toks[0] == default_backend_tokens[0]
+    assert toks[2] == default_backend_tokens[1]
+    assert len(toks[1]) == 24 and len(toks[3]) == 24
+    s = stats(hip_llm)
+    assert s["dense_queries"] > 0 and s["sparse_prefill_queries"] > 0
+    assert s["sparse_decode_queries"] > 0
+
+
+def test_full_budget_sparse_equals_dense_in_vllm(tiny_model, tmp_path):
+    """With a budget covering the whole context, the sparse path must reproduce dense greedy text."""
+    full = {
+        "sink_tokens": 32, "window_tokens": 256, "dense_threshold": 64, "dense_layers": [],
+        "stages": [{"chunk_size": 64, "keep_tokens": 8192, "block_size_q": 32, "query_stride": 4},
+                   {"chunk_size": 16, "keep_tokens": 8192, "block_size_q": 32, "query_stride": 4},
+                   {"chunk_size": 8, "keep_tokens": 8192, "block_size_q": 32, "query_stride": 1}],
+        "refresh_intervals": [8, 4, 2],
+    }
+    prompts = [long_prompt(900, "eps")]
+    helper = Path(__file__).parent / "helpers" / "generate.py"
+    results = {}
+    for backend, extra in (("default", {}), ("infinitehip", {"additional_config": {"infinitehip": full}})):
+        spec = {"engine": {**ENGINE_KW, **extra}, "prompts": prompts, "max_tokens": 16}
+        (tmp_path / "in.json").write_text(json.dumps(spec))
+        subprocess.run(
+            [sys.executable, str(helper), tiny_model, backend, str(tmp_path / "in.json"),
+             str(tmp_path / f"{backend}.json")],
+            check=True, timeout=600,
+        )
+        results[backend] = json.loads((tmp_path / f"{backend}.json").read_text())
+    assert results["infinitehip"] == results["default"]
+
+
+def test_bad_config_raises_naming_the_field(tiny_model):
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match=r"infinitehip\.stages\[1\]\.chunk_size"):
+        LLM(
+            tiny_model,
+            attention_backend="infinitehip",
+            additional_config={"infinitehip": {"stages": [
+                {"chunk_size": 256, "keep_tokens": 4096},
+                {"chunk_size": 48, "keep_tokens": 480},
+                {"chunk_size": 8, "keep_tokens": 256},
+            ]}},
+            **ENGINE_KW,
+        )
+    with pytest.raises(ValueError, match=r"unknown field `infinitehip\.windw_tokens`"):
+        LLM(tiny_model, attention_backend="infinitehip",
+            additional_config={"infinitehip": {"windw_tokens": 5}}, **ENGINE_KW)
