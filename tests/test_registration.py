@@ -40,12 +40,13 @@ def test_member_unpickles_in_a_fresh_process_before_plugins_load():
     code = (
         "import pickle, sys\n"
         "cfg = pickle.loads(sys.stdin.buffer.read())\n"
-        "print(cfg.backend.name, cfg.backend.get_path())\n"
+        "print('RESULT', cfg.backend.name, cfg.backend.get_path())\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], input=blob, capture_output=True, check=True, timeout=300
     )
-    assert out.stdout.decode().split() == ["INFINITEHIP", compat.BACKEND_CLASS_PATH]
+    result = [line for line in out.stdout.decode().splitlines() if line.startswith("RESULT ")]
+    assert result == [f"RESULT INFINITEHIP {compat.BACKEND_CLASS_PATH}"]
 
 
 def test_entry_point_is_installed():

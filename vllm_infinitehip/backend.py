@@ -11,6 +11,7 @@ PyTorch reference (CPU) and the GPU kernels read the same cache.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -35,7 +36,8 @@ from vllm_infinitehip.kernels import reference as ref
 from vllm_infinitehip.mask_state import LEVEL_NONE, DecodeState, DecodeStateStore, refresh_level
 from vllm_infinitehip.metrics import AttentionStats
 
-logger = init_logger(__name__)
+# Under the "vllm" namespace so that vLLM's logging configuration (handlers, level) applies.
+logger = init_logger(f"vllm.{__name__}")
 
 
 @dataclass
@@ -204,7 +206,11 @@ class InfiniteHiPImpl(AttentionImpl):
 
         self.config = InfiniteHiPConfig.from_vllm_config(get_current_vllm_config())
         self.stats = AttentionStats()
+        model_config = get_current_vllm_config().model_config
+        trained = getattr(model_config.hf_text_config, "max_position_embeddings", None)
+        self.tail_window = self.config.tail_window(trained or model_config.max_model_len)
         self._params: ref.PruneParams | None = None
+        self._tail_params: ref.PruneParams | None = None
         self._layer_name: str | None = None
 
     def _prune_params(self, layer: AttentionLayer) -> ref.PruneParams:
@@ -227,7 +233,27 @@ class InfiniteHiPImpl(AttentionImpl):
                 stages=tuple(stages),
                 probe=self.config.probe,
             )
+            if self.tail_window is not None:
+                self._tail_params = dataclasses.replace(self._params, window_tokens=self.tail_window)
         return self._params
+
+    def _sparse_prefill(
+        self, params: ref.PruneParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, int]:
+        """Sparse attention for a prefill chunk; its last query block uses the tail window."""
+        tail = params.block_size_q if self._tail_params is not None else 0
+        if tail == 0 or q.shape[0] <= tail:
+            p = self._tail_params if tail else params
+            o, _, attended = ref.sparse_attention(p, q, k, v, positions, self.scale)
+            return o, attended
+        head_o, _, head_n = ref.sparse_attention(
+            params, q[:-tail], k, v, positions[:-tail], self.scale
+        )
+        tail_o, _, tail_n = ref.sparse_attention(
+            self._tail_params, q[-tail:], k, v, positions[-tail:], self.scale
+        )
+        return torch.cat([head_o, tail_o]), head_n + tail_n
 
     def do_kv_cache_update(
         self,
@@ -275,7 +301,7 @@ class InfiniteHiPImpl(AttentionImpl):
                 continue
             state = m.decode_states[i]
             if state is None:  # a prefill chunk (or a lone query outside decode tracking)
-                o, _, attended = ref.sparse_attention(params, q, k, v, positions, self.scale)
+                o, attended = self._sparse_prefill(params, q, k, v, positions)
                 self.stats.sparse_prefill_queries += hi - lo
             else:
                 prune = self._decode_mask(params, state, m.refresh_levels[i], q, k, positions)

@@ -75,6 +75,9 @@ class InfiniteHiPConfig:
     - ``dense_threshold``: sequences up to this many tokens run exact dense attention.
       ``None`` means sink + window + final budget, the point below which sparsity saves nothing.
     - ``probe``: SelectRep probe rule, ``midpoint`` (code, default) or ``first`` (paper).
+    - ``prefill_tail_window``: the last ``block_size_q`` queries of every prefill chunk (the ones
+      that produce the first output token) attend with this larger window. ``"auto"`` (the
+      authors' code): trained length - sink - final budget - block_size_q; ``null``: off.
     - ``block_size_k``: granularity of selected blocks in block-sparse attention (= last chunk).
     """
 
@@ -87,6 +90,7 @@ class InfiniteHiPConfig:
     dense_layer_keep_tokens: int = 4096
     dense_threshold: int | None = None
     probe: str = "midpoint"
+    prefill_tail_window: int | str | None = "auto"
 
     @property
     def final_keep_tokens(self) -> int:
@@ -101,6 +105,15 @@ class InfiniteHiPConfig:
         if self.dense_threshold is not None:
             return self.dense_threshold
         return self.sink_tokens + self.window_tokens + self.final_keep_tokens
+
+    def tail_window(self, trained_context: int) -> int | None:
+        """Window of a prefill chunk's last query block, or None when the tail is not special."""
+        if self.prefill_tail_window is None:
+            return None
+        if self.prefill_tail_window == "auto":
+            auto = trained_context - self.sink_tokens - self.final_keep_tokens
+            return max(self.window_tokens, auto - self.stages[0].block_size_q)
+        return max(self.window_tokens, int(self.prefill_tail_window))
 
     def final_keep_for_layer(self, layer_index: int) -> int:
         if layer_index in self.dense_layers:
@@ -123,7 +136,8 @@ class InfiniteHiPConfig:
             f"preset={self.preset} sink={self.sink_tokens} window={self.window_tokens} "
             f"stages=[{stages}] refresh={list(self.refresh_intervals)} "
             f"dense_threshold={self.effective_dense_threshold} probe={self.probe} "
-            f"dense_layers={list(self.dense_layers)}->k={self.dense_layer_keep_tokens}"
+            f"dense_layers={list(self.dense_layers)}->k={self.dense_layer_keep_tokens} "
+            f"prefill_tail_window={self.prefill_tail_window}"
         )
 
     # ---------------------------------------------------------------- parsing
@@ -177,6 +191,11 @@ class InfiniteHiPConfig:
                     f"`infinitehip.probe`={probe!r} is not one of {', '.join(PROBE_RULES)}"
                 )
             kwargs["probe"] = probe
+        if "prefill_tail_window" in values:
+            v = values["prefill_tail_window"]
+            if v is not None and v != "auto":
+                v = _int(v, "infinitehip.prefill_tail_window", minimum=0)
+            kwargs["prefill_tail_window"] = v
         if "dense_layers" in values:
             kwargs["dense_layers"] = tuple(
                 _int(v, f"infinitehip.dense_layers[{i}]", minimum=0)

@@ -1,0 +1,559 @@
+"""Block-sparse attention (INFINITEHIP.md §1.7) in Triton, reading vLLM's paged KV cache.
+
+Two entry points, both exact re-statements of :func:`reference.masked_attention` over the key set of
+:func:`reference.sparse_key_mask` (sink ``[0, n_sink)`` ∪ window ``(p - n_stream, p]`` ∪ the query
+block's selected blocks, causal, every key once):
+
+- :func:`sparse_decode_attention`: one query per request, FlashDecoding style. The key set of a
+  request is laid out as one "virtual" key sequence (sink, then window, then the selected blocks),
+  cut into ``num_splits`` equal pieces at run time; each (request, KV head, split) program writes a
+  partial output and its log-sum-exp, and a second kernel merges them.
+- :func:`sparse_prefill_attention`: one request's prefill chunk, FlashAttention-2 style, one program
+  per (query block, query head), looping over the selected blocks, the sink, then the window.
+
+Keys are deduplicated by masking rather than by building a set: a selected key counts only if it is
+outside the sink, outside the query's window, and past the end of the previous selected block (the
+starts are ascending, so that end is the furthest any earlier block reached). Window keys count only
+outside the sink. Everything is in the exp2 domain with fp32 accumulation.
+
+KV cache layout: ``[num_pages, 2, page_size, H_kv, D]`` (0 = K, 1 = V), any strides.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["sparse_decode_attention", "sparse_prefill_attention"]
+
+_LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------- device helpers
+@triton.jit
+def _tanh(x):
+    # Not every backend (the interpreter included) has a tanh; this form saturates to +-1 cleanly.
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _load_kv(
+    kv_ptr,
+    bt_row_ptr,
+    stride_btp,
+    t,
+    ok,
+    kv_head,
+    offs_d,
+    d_ok,
+    stride_page,
+    stride_kv,
+    stride_tok,
+    stride_head,
+    stride_d,
+    PAGE_SIZE: tl.constexpr,
+):
+    """K and V rows ``[BLOCK_N, BLOCK_D]`` of tokens ``t`` of one request; zeros where ``~ok``."""
+    t = tl.where(ok, t, 0)
+    page = tl.load(bt_row_ptr + (t // PAGE_SIZE) * stride_btp, mask=ok, other=0).to(tl.int64)
+    # int64: page * stride_page overflows int32 for caches of a few GiB.
+    row = page * stride_page + (t % PAGE_SIZE).to(tl.int64) * stride_tok + kv_head * stride_head
+    ptrs = kv_ptr + row[:, None] + offs_d[None, :] * stride_d
+    mask = ok[:, None] & d_ok[None, :]
+    k = tl.load(ptrs, mask=mask, other=0.0)
+    v = tl.load(ptrs + stride_kv, mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend(
+    q,
+    k,
+    v,
+    valid,
+    acc,
+    m_i,
+    l_i,
+    qk_scale,
+    cap_log2e,
+    inv_cap_scale,
+    USE_SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over a key tile; ``valid`` is ``[rows, keys]``."""
+    k = k.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if USE_SOFT_CAP:
+        s = cap_log2e * _tanh(s * inv_cap_scale)
+    else:
+        s = s * qk_scale
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+# --------------------------------------------------------------------------- decode
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    kv_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    starts_ptr,
+    nvalid_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_page,
+    stride_kv,
+    stride_tok,
+    stride_head,
+    stride_d,
+    stride_btb,
+    stride_btp,
+    stride_sb,
+    stride_sk,
+    sink_tokens,
+    window_tokens,
+    qk_scale,
+    cap_log2e,
+    inv_cap_scale,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    pos = seq_len - 1
+    # Virtual key sequence: [0, sink_len) sink, then window positions [win_lo, pos], then the
+    # selected blocks. win_lo >= sink_len, so sink and window never overlap.
+    sink_len = tl.minimum(sink_tokens, seq_len)
+    win_lo = tl.maximum(sink_len, pos - window_tokens + 1)
+    n_sw = sink_len + tl.maximum(seq_len - win_lo, 0)
+    n_valid = tl.load(nvalid_ptr + b).to(tl.int32)
+    total = n_sw + n_valid * BLOCK_K
+    # Split boundaries are computed here from the live length, so the grid (shapes only) stays
+    # graph-capturable while the work stays balanced whatever the request's length.
+    per_split = tl.cdiv(tl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, total)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=h_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    starts_row = starts_ptr + b.to(tl.int64) * stride_sb
+
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    # Finite so that a row that has seen only masked keys keeps exp2(m_old - m_new) = 1, not NaN.
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for v0 in range(lo, hi, BLOCK_N):
+        vi = v0 + tl.arange(0, BLOCK_N)
+        live = vi < hi
+        in_sw = vi < n_sw
+        t_sw = tl.where(vi < sink_len, vi, win_lo + (vi - sink_len))
+        vs = tl.where(in_sw, 0, vi - n_sw)  # kept >= 0: integer division of negatives differs
+        blk = vs // BLOCK_K
+        sel = live & ~in_sw
+        start = tl.load(starts_row + blk * stride_sk, mask=sel, other=0).to(tl.int32)
+        prev = tl.load(starts_row + (blk - 1) * stride_sk, mask=sel & (blk > 0), other=0)
+        prev_end = tl.where(blk > 0, prev.to(tl.int32) + BLOCK_K, 0)
+        t_sel = start + vs % BLOCK_K
+        # t_sel < win_lo also keeps it causal and out of the sink-covered prefix.
+        sel_ok = sel & (t_sel >= sink_tokens) & (t_sel < win_lo) & (t_sel >= prev_end)
+        t = tl.where(in_sw, t_sw, t_sel)
+        ok = tl.where(in_sw, live, sel_ok)
+        k, v = _load_kv(
+            kv_ptr, bt_row, stride_btp, t, ok, kv_head, offs_d, d_ok,
+            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend(
+            q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
+            USE_SOFT_CAP, DOT_PRECISION,
+        )  # fmt: skip
+
+    # Every partial is written, empty splits included (lse = -inf, o = 0), so the merge never
+    # reads stale scratch.
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+    row = (b * NUM_HEADS + heads) * NUM_SPLITS + split
+    tl.store(
+        part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        o,
+        mask=h_ok[:, None] & d_ok[None, :],
+    )
+    tl.store(part_lse_ptr + row, lse, mask=h_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    row = (b * NUM_HEADS + h) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no keys at all: every weight is 0, output 0
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    o = tl.load(
+        part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(
+        out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od,
+        res.to(out_ptr.dtype.element_ty),
+        mask=d_ok,
+    )
+
+
+# --------------------------------------------------------------------------- prefill
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    kv_ptr,
+    bt_ptr,
+    starts_ptr,
+    nvalid_ptr,
+    out_ptr,
+    stride_qn,
+    stride_qh,
+    stride_qd,
+    stride_page,
+    stride_kv,
+    stride_tok,
+    stride_head,
+    stride_d,
+    stride_btp,
+    stride_sb,
+    stride_sk,
+    stride_on,
+    stride_oh,
+    stride_od,
+    seq_len,
+    num_queries,
+    sink_tokens,
+    window_tokens,
+    qk_scale,
+    cap_log2e,
+    inv_cap_scale,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE_Q: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    h = tl.program_id(1)
+    kv_head = h // GROUP
+
+    offs_m = tl.arange(0, BLOCK_Q)
+    qi = qb * BLOCK_SIZE_Q + offs_m
+    q_ok = (offs_m < BLOCK_SIZE_Q) & (qi < num_queries)
+    first_pos = seq_len - num_queries
+    pos = first_pos + qi
+    p_min = first_pos + qb * BLOCK_SIZE_Q
+    p_max = tl.minimum(p_min + BLOCK_SIZE_Q, seq_len) - 1
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + qi[:, None].to(tl.int64) * stride_qn + h * stride_qh + offs_d[None, :] * stride_qd,
+        mask=q_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_Q], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+
+    # 1. Selected blocks: outside the sink, outside each query's window (which implies causal),
+    #    and past the previous block's end (dedup of overlapping blocks).
+    starts_row = starts_ptr + qb.to(tl.int64) * stride_sb
+    n_sel = tl.load(nvalid_ptr + qb).to(tl.int32) * BLOCK_K
+    for v0 in range(0, n_sel, BLOCK_N):
+        vi = v0 + tl.arange(0, BLOCK_N)
+        live = vi < n_sel
+        blk = vi // BLOCK_K
+        start = tl.load(starts_row + blk * stride_sk, mask=live, other=0).to(tl.int32)
+        prev = tl.load(starts_row + (blk - 1) * stride_sk, mask=live & (blk > 0), other=0)
+        prev_end = tl.where(blk > 0, prev.to(tl.int32) + BLOCK_K, 0)
+        t = start + vi % BLOCK_K
+        ok = live & (t >= sink_tokens) & (t >= prev_end) & (t <= p_max - window_tokens)
+        k, v = _load_kv(
+            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
+            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+        )  # fmt: skip
+        valid = ok[None, :] & (t[None, :] <= pos[:, None] - window_tokens)
+        acc, m_i, l_i = _attend(
+            q, k, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
+            USE_SOFT_CAP, DOT_PRECISION,
+        )  # fmt: skip
+
+    # 2. Sink: causal only.
+    sink_hi = tl.minimum(sink_tokens, p_max + 1)
+    for t0 in range(0, sink_hi, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        ok = t < sink_hi
+        k, v = _load_kv(
+            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
+            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+        )  # fmt: skip
+        valid = ok[None, :] & (t[None, :] <= pos[:, None])
+        acc, m_i, l_i = _attend(
+            q, k, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
+            USE_SOFT_CAP, DOT_PRECISION,
+        )  # fmt: skip
+
+    # 3. Window: the union of the block's windows, starting past the sink; per query
+    #    (p - n_stream, p].
+    win_lo = tl.maximum(sink_tokens, p_min - window_tokens + 1)
+    for t0 in range(win_lo, p_max + 1, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        ok = t <= p_max
+        k, v = _load_kv(
+            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
+            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+        )  # fmt: skip
+        valid = (
+            ok[None, :]
+            & (t[None, :] <= pos[:, None])
+            & (t[None, :] > pos[:, None] - window_tokens)
+        )
+        acc, m_i, l_i = _attend(
+            q, k, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
+            USE_SOFT_CAP, DOT_PRECISION,
+        )  # fmt: skip
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + qi[:, None].to(tl.int64) * stride_on + h * stride_oh + offs_d[None, :] * stride_od,
+        o.to(out_ptr.dtype.element_ty),
+        mask=q_ok[:, None] & d_ok[None, :],
+    )
+
+
+# --------------------------------------------------------------------------- host side
+def _softmax_consts(scale: float, logit_soft_cap: float) -> tuple[float, float, float]:
+    """``(qk_scale, cap_log2e, inv_cap_scale)``: the kernels' exp2-domain score constants."""
+    if logit_soft_cap > 0.0:
+        return 0.0, logit_soft_cap * _LOG2E, scale / logit_soft_cap
+    return scale * _LOG2E, 0.0, 0.0
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not silently drop to TF32: the fp32 path is the one checked to 1e-4.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_kv(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int]:
+    """``(group, head_dim, page_size)`` after checking that q and the cache agree."""
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(f"kv_cache must be [num_pages, 2, page_size, H_kv, D], got {kv_cache.shape}")
+    hq, d = q.shape[-2], q.shape[-1]
+    hkv = kv_cache.shape[3]
+    if kv_cache.shape[4] != d:
+        raise ValueError(f"head dim of q ({d}) and kv_cache ({kv_cache.shape[4]}) differ")
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if triton.knobs.runtime.interpret and torch.bfloat16 in (q.dtype, kv_cache.dtype):
+        # Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw integers.
+        raise NotImplementedError("bf16 is not supported under TRITON_INTERPRET; use fp16/fp32")
+    return hq // hkv, d, kv_cache.shape[2]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _default_num_splits(max_keys: int, programs: int, device: torch.device, block_n: int) -> int:
+    """Enough splits to fill the GPU about twice, but at least ``4 * block_n`` keys per split."""
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
+    by_work = triton.cdiv(max_keys, 4 * block_n)
+    by_fill = triton.cdiv(2 * sms, max(programs, 1))
+    return max(1, min(by_work, by_fill, 32))
+
+
+def _decode_workspace(
+    batch: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch for the split partials (a separate function so tests can poison it)."""
+    part_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=device)
+    return part_o, part_lse
+
+
+def sparse_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_starts: torch.Tensor,
+    num_valid_blocks: torch.Tensor,
+    *,
+    block_size_k: int,
+    sink_tokens: int,
+    window_tokens: int,
+    scale: float,
+    num_splits: int | None = None,
+    logit_soft_cap: float = 0.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Block-sparse attention of one decode query per request; returns ``[B, Hq, D]`` in q's dtype.
+
+    ``q`` is ``[B, Hq, D]``, the query at position ``seq_lens[b] - 1``; ``block_table`` is
+    ``[B, max_pages]``; ``block_starts`` ``[B, K]`` holds ascending block starts of which the first
+    ``num_valid_blocks[b]`` are used. The result equals ``reference.masked_attention`` over
+    ``reference.sparse_key_mask`` (each key once, causal). A request with no key at all (e.g. a
+    padding row with ``seq_lens = 0``) gets zeros. No host synchronisation: the launch grid depends
+    on shapes and ``num_splits`` only, so the call can be captured in a CUDA graph. With
+    ``logit_soft_cap > 0`` scores become ``cap * tanh(scores / cap)``.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
+    group, d, page_size = _check_kv(q, kv_cache)
+    batch, hq = q.shape[0], q.shape[1]
+    hkv = hq // group
+    k_max = block_starts.shape[1]
+    block_d = triton.next_power_of_2(d)
+    block_n = 32 if block_d > 128 else 64
+    if num_splits is None:
+        max_keys = sink_tokens + window_tokens + k_max * block_size_k
+        num_splits = _default_num_splits(max_keys, batch * hkv, q.device, block_n)
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    part_o, part_lse = _decode_workspace(batch, hq, num_splits, d, q.device)
+    qk_scale, cap_log2e, inv_cap_scale = _softmax_consts(scale, logit_soft_cap)
+    # tl.dot needs at least 16 rows; the padding rows are masked on load and store.
+    block_h = max(16, triton.next_power_of_2(group))
+    _decode_split_kernel[(batch, hkv, num_splits)](
+        q, kv_cache, block_table, seq_lens, block_starts, num_valid_blocks, part_o, part_lse,
+        *q.stride(), *kv_cache.stride(),
+        *block_table.stride(), *block_starts.stride(),
+        sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale,
+        NUM_HEADS=hq, GROUP=group, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=block_d,
+        BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
+        USE_SOFT_CAP=logit_soft_cap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4 if block_d <= 128 else 8,
+    )  # fmt: skip
+    _decode_merge_kernel[(batch, hq)](
+        part_o, part_lse, out, *out.stride(),
+        NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4 if block_d <= 128 else 8,
+    )  # fmt: skip
+    return out
+
+
+def sparse_prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table_row: torch.Tensor,
+    seq_len: int,
+    block_starts: torch.Tensor,
+    block_valid: torch.Tensor,
+    *,
+    block_size_q: int,
+    block_size_k: int,
+    sink_tokens: int,
+    window_tokens: int,
+    scale: float,
+    logit_soft_cap: float = 0.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Block-sparse attention of one request's prefill chunk; returns ``[Nq, Hq, D]`` in q's dtype.
+
+    ``q`` is ``[Nq, Hq, D]``, the queries at positions ``seq_len - Nq .. seq_len - 1`` (``seq_len``
+    counts the chunk's own keys, already in the cache). Query block ``j`` is queries
+    ``[j * block_size_q, (j + 1) * block_size_q)`` and attends to the selected blocks of row ``j``
+    of ``block_starts`` / ``block_valid`` (``[n_qblocks, K]``, valid entries first and ascending).
+    The result equals ``reference.masked_attention`` over ``reference.sparse_key_mask``. With
+    ``logit_soft_cap > 0`` scores become ``cap * tanh(scores / cap)``. No host synchronisation.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [Nq, Hq, D], got {tuple(q.shape)}")
+    group, d, page_size = _check_kv(q, kv_cache)
+    nq, hq = q.shape[0], q.shape[1]
+    n_qblocks = triton.cdiv(nq, block_size_q)
+    if block_starts.shape[0] != n_qblocks or block_valid.shape != block_starts.shape:
+        raise ValueError(
+            f"block_starts {tuple(block_starts.shape)} / block_valid {tuple(block_valid.shape)} "
+            f"must be [{n_qblocks}, K] for {nq} queries in blocks of {block_size_q}"
+        )
+    if nq > seq_len:
+        raise ValueError(f"{nq} queries cannot be the last positions of a {seq_len}-token sequence")
+    if out is None:
+        out = torch.empty_like(q)
+    if nq == 0:
+        return out
+    # Valid entries come first, so their count bounds the loop (a device op: no sync).
+    n_valid = block_valid.sum(dim=1, dtype=torch.int32)
+    block_d = triton.next_power_of_2(d)
+    block_q = max(16, triton.next_power_of_2(block_size_q))
+    block_n = 32 if block_d > 128 or block_q > 64 else 64
+    qk_scale, cap_log2e, inv_cap_scale = _softmax_consts(scale, logit_soft_cap)
+    _prefill_kernel[(n_qblocks, hq)](
+        q, kv_cache, block_table_row, block_starts, n_valid, out,
+        *q.stride(), *kv_cache.stride(),
+        block_table_row.stride(0), *block_starts.stride(), *out.stride(),
+        seq_len, nq, sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale,
+        GROUP=group, BLOCK_SIZE_Q=block_size_q, BLOCK_Q=block_q, HEAD_DIM=d, BLOCK_D=block_d,
+        BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size,
+        USE_SOFT_CAP=logit_soft_cap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4 if block_q <= 64 and block_d <= 128 else 8,
+    )  # fmt: skip
+    return out

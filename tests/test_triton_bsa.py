@@ -1,0 +1,337 @@
+"""The Triton block-sparse attention kernels against the PyTorch reference.
+
+Without a GPU the kernels run under Triton's interpreter on CPU tensors. Triton decides between
+compiling and interpreting when a kernel is *defined* (``@triton.jit`` reads TRITON_INTERPRET), so
+the variable is set here, before ``triton_bsa`` (and with it triton) is imported. With a GPU the
+same small cases run compiled on it, and the realistic-shape tests run too.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+_GPU = torch.cuda.is_available()
+if not _GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from vllm_infinitehip.kernels import reference as ref  # noqa: E402
+from vllm_infinitehip.kernels import triton_bsa as tb  # noqa: E402
+
+_RUNNABLE = _GPU or isinstance(tb._prefill_kernel, InterpretedFunction)
+pytestmark = pytest.mark.skipif(
+    not _RUNNABLE,
+    reason="no GPU, and triton_bsa was imported before TRITON_INTERPRET=1 was set, so its kernels "
+    "were compiled for a GPU; run this file on its own: pytest tests/test_triton_bsa.py",
+)
+gpu = pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU (realistic shapes, bf16, CUDA graphs)")
+
+DEVICE = torch.device("cuda" if _GPU else "cpu")
+
+
+# --------------------------------------------------------------------------- inputs
+def paged_cache(
+    seq_lens: list[int], page: int, hkv: int, d: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache with every request's pages scattered at random, and its ``[B, max_pages]`` table.
+
+    Table entries past a request's last page are -1, so reading one would not go unnoticed.
+    """
+    n_pages = [math.ceil(s / page) for s in seq_lens]
+    total = sum(n_pages) + 3  # a few pages that belong to nobody
+    kv = torch.randn(total, 2, page, hkv, d, generator=gen).to(dtype)
+    perm = torch.randperm(total, generator=gen)
+    table = torch.full((len(seq_lens), max(n_pages) + 2), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(n_pages):
+        table[b, :n] = perm[used : used + n].int()
+        used += n
+    return kv.to(DEVICE), table.to(DEVICE)
+
+
+def random_starts(
+    limit: int, k: int, n: int, bk: int, aligned: bool, gen: torch.Generator
+) -> tuple[torch.Tensor, int]:
+    """Up to ``n`` ascending block starts in ``[0, limit + bk)``, then garbage up to ``k`` entries.
+
+    The range runs from inside the sink to past the causal limit, so the kernels must mask
+    blocks overlapping the sink, the window and the future. ``aligned`` puts them on one grid
+    (what the cascade produces); otherwise they may overlap each other or repeat.
+    """
+    if aligned:
+        offset = int(torch.randint(0, bk, (1,), generator=gen))
+        grid = torch.arange(offset, limit + bk, bk)
+        pick = grid[torch.randperm(grid.numel(), generator=gen)[:n]]
+    else:
+        pick = torch.randint(0, limit + bk, (n,), generator=gen)
+    pick = pick.sort().values
+    garbage = torch.randint(-5, 1 << 20, (k - pick.numel(),), generator=gen)
+    return torch.cat([pick, garbage]).int(), pick.numel()
+
+
+def expected(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    table_row: torch.Tensor,
+    seq_len: int,
+    starts: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    bq: int,
+    bk: int,
+    sink: int,
+    window: int,
+    scale: float,
+    cap: float = 0.0,
+) -> torch.Tensor:
+    """The reference output in fp32 for queries ``q`` at the last ``len(q)`` positions."""
+    k, v = ref.gather_paged_kv(kv, table_row, seq_len)
+    q, k, v = q.float(), k.float(), v.float()
+    pos = torch.arange(seq_len - q.shape[0], seq_len, device=q.device)
+    params = ref.PruneParams(sink, window, (ref.StageParams(bk, 0, bq, 1),))
+    mask = ref.sparse_key_mask(params, seq_len, pos, starts.long(), valid)
+    if cap == 0.0:
+        return ref.masked_attention(q, k, v, mask, scale)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = torch.einsum("qhd,thd->hqt", q, k) * scale
+    s = (cap * torch.tanh(s / cap)).masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqt,thd->qhd", s.softmax(-1), v)
+
+
+@pytest.fixture
+def poisoned_workspace(monkeypatch):
+    """Split scratch full of NaN: a partial the merge reads but no split wrote shows up."""
+    real = tb._decode_workspace
+
+    def nan_workspace(*args, **kwargs):
+        return tuple(t.fill_(float("nan")) for t in real(*args, **kwargs))
+
+    monkeypatch.setattr(tb, "_decode_workspace", nan_workspace)
+
+
+# --------------------------------------------------------------------------- decode
+def run_decode_case(
+    hq, hkv, d, page, bk, sink, window, splits, aligned, seed, dtype=torch.float32, cap=0.0
+):
+    gen = torch.Generator().manual_seed(seed)
+    # a long request, a short one inside sink + window, one with no selected block, a full one
+    seq_lens = [int(torch.randint(100, 600, (1,), generator=gen)), 20, 333, 600]
+    k_max = 16
+    n_want = [10, 4, 0, k_max]
+    kv, table = paged_cache(seq_lens, page, hkv, d, dtype, gen)
+    rows = [random_starts(s, k_max, n, bk, aligned, gen) for s, n in zip(seq_lens, n_want)]
+    starts = torch.stack([r[0] for r in rows]).to(DEVICE)
+    n_valid = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(dtype).to(DEVICE)
+    scale = d**-0.5
+    out = torch.full_like(q, float("nan"))
+    got = tb.sparse_decode_attention(
+        q, kv, table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), starts, n_valid,
+        block_size_k=bk, sink_tokens=sink, window_tokens=window, scale=scale,
+        num_splits=splits, logit_soft_cap=cap, out=out,
+    )  # fmt: skip
+    assert got is out and bool(torch.isfinite(out).all()), "every output element is written"
+    for b, s in enumerate(seq_lens):
+        valid = (torch.arange(k_max, device=DEVICE) < n_valid[b]).view(1, -1)
+        want = expected(
+            q[b : b + 1], kv, table[b], s, starts[b : b + 1], valid,
+            bq=1, bk=bk, sink=sink, window=window, scale=scale, cap=cap,
+        )  # fmt: skip
+        yield out[b : b + 1].float(), want
+
+
+DECODE_CASES = {
+    # name: (hq, hkv, d, page, bk, sink, window, num_splits, aligned)
+    "mha-default-splits": (4, 4, 32, 16, 8, 16, 64, None, True),
+    "gqa4-overlapping-blocks": (8, 2, 64, 32, 4, 16, 64, 3, False),
+    "gqa7-no-sink-one-split": (7, 1, 32, 32, 8, 0, 37, 1, True),
+    "gqa7-no-window-many-empty-splits": (7, 1, 64, 16, 4, 20, 0, 16, False),
+}
+
+
+@pytest.mark.parametrize("name", DECODE_CASES)
+def test_decode_matches_reference(name, poisoned_workspace):
+    for got, want in run_decode_case(*DECODE_CASES[name], seed=len(name)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_soft_cap_and_fp16(poisoned_workspace):
+    for got, want in run_decode_case(8, 2, 32, 16, 8, 16, 64, 2, True, seed=5, cap=2.0):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for got, want in run_decode_case(
+        4, 1, 32, 32, 4, 16, 48, None, False, seed=6, dtype=torch.float16
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=2e-3)
+
+
+def test_decode_request_without_keys_is_zero():
+    gen = torch.Generator().manual_seed(7)
+    kv, table = paged_cache([40, 1], 16, 2, 32, torch.float32, gen)
+    q = torch.randn(2, 4, 32, generator=gen).to(DEVICE)
+    seq_lens = torch.tensor([40, 0], dtype=torch.int32, device=DEVICE)  # row 1: CUDA-graph padding
+    starts = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)
+    n_valid = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    out = tb.sparse_decode_attention(
+        q, kv, table, seq_lens, starts, n_valid,
+        block_size_k=8, sink_tokens=4, window_tokens=16, scale=0.2, num_splits=2,
+    )  # fmt: skip
+    assert bool((out[1] == 0).all()) and bool(torch.isfinite(out[0]).all())
+
+
+# --------------------------------------------------------------------------- prefill
+def run_prefill_case(
+    hq, hkv, d, page, bk, bq, nq, seq_len, sink, window, aligned, seed,
+    dtype=torch.float32, cap=0.0,
+):  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    k_max = 12
+    kv, table = paged_cache([seq_len], page, hkv, d, dtype, gen)
+    n_blocks = math.ceil(nq / bq)
+    starts, valid = [], []
+    for j in range(n_blocks):
+        block_end = min(seq_len, seq_len - nq + (j + 1) * bq)  # one past the block's last query
+        n = int(torch.randint(0, k_max + 1, (1,), generator=gen)) if j else k_max
+        row, n = random_starts(block_end, k_max, n, bk, aligned, gen)
+        starts.append(row)
+        valid.append(torch.arange(k_max) < n)
+    starts = torch.stack(starts).to(DEVICE)
+    valid = torch.stack(valid).to(DEVICE)
+    q = torch.randn(nq, hq, d, generator=gen).to(dtype).to(DEVICE)
+    scale = d**-0.5
+    out = torch.full_like(q, float("nan"))
+    got = tb.sparse_prefill_attention(
+        q, kv, table[0], seq_len, starts, valid, block_size_q=bq, block_size_k=bk,
+        sink_tokens=sink, window_tokens=window, scale=scale, logit_soft_cap=cap, out=out,
+    )  # fmt: skip
+    assert got is out and bool(torch.isfinite(out).all()), "every output element is written"
+    want = expected(
+        q, kv, table[0], seq_len, starts, valid,
+        bq=bq, bk=bk, sink=sink, window=window, scale=scale, cap=cap,
+    )  # fmt: skip
+    return out.float(), want
+
+
+PREFILL_CASES = {
+    # name: (hq, hkv, d, page, bk, bq, nq, seq_len, sink, window, aligned)
+    "mha-chunked": (4, 4, 32, 16, 8, 16, 64, 300, 16, 64, True),
+    "gqa7-whole-prompt-partial-block": (7, 1, 32, 32, 4, 32, 70, 70, 16, 48, False),
+    "gqa4-no-sink-d64": (8, 2, 64, 16, 8, 16, 40, 600, 0, 64, False),
+    "gqa4-no-window": (8, 2, 32, 32, 4, 32, 33, 200, 24, 0, True),
+}
+
+
+@pytest.mark.parametrize("name", PREFILL_CASES)
+def test_prefill_matches_reference(name):
+    got, want = run_prefill_case(*PREFILL_CASES[name], seed=len(name))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_soft_cap_and_fp16():
+    got, want = run_prefill_case(8, 2, 32, 16, 8, 16, 48, 250, 16, 40, True, seed=8, cap=2.0)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    got, want = run_prefill_case(
+        4, 1, 32, 32, 4, 16, 48, 250, 16, 40, False, seed=9, dtype=torch.float16
+    )
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=2e-3)
+
+
+def test_prefill_rejects_mismatched_blocks():
+    q = torch.zeros(40, 4, 32, device=DEVICE)
+    kv = torch.zeros(4, 2, 16, 4, 32, device=DEVICE)
+    starts = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)  # 40 queries need 3 blocks
+    with pytest.raises(ValueError, match="block_starts"):
+        tb.sparse_prefill_attention(
+            q, kv, torch.arange(4, device=DEVICE), 64, starts, starts > 0, block_size_q=16,
+            block_size_k=8, sink_tokens=4, window_tokens=16, scale=0.1,
+        )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- GPU, real shapes
+def realistic_inputs(seq_lens: list[int], seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv, d = 32, 8, 128
+    kv, table = paged_cache(seq_lens, 16, hkv, d, torch.bfloat16, gen)
+    return gen, hq, kv, table
+
+
+def grid_starts(pos_limit: int, k_max: int, n: int, sink: int, gen: torch.Generator):
+    """Cascade-like starts: ``sink + j * 8`` below ``pos_limit``, ascending, invalid last."""
+    grid = torch.arange(sink, max(pos_limit, sink + 1), 8)
+    pick = grid[torch.randperm(grid.numel(), generator=gen)[:n]].sort().values
+    return torch.cat([pick, torch.zeros(k_max - pick.numel(), dtype=pick.dtype)]).int(), pick.numel()
+
+
+@gpu
+def test_gpu_realistic_decode_bf16_and_cuda_graph():
+    sink, window, bk, k_max = 128, 1024, 8, 256
+    seq_lens = [32768, 32000, 20000, 1500]
+    gen, hq, kv, table = realistic_inputs(seq_lens, seed=11)
+    d = kv.shape[-1]
+
+    def make(lens, counts):
+        rows = [grid_starts(s - window, k_max, n, sink, gen) for s, n in zip(lens, counts)]
+        starts = torch.stack([r[0] for r in rows]).to(DEVICE)
+        n_valid = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=DEVICE)
+        # sharper than N(0, 1) scores, so the output is not an average that hides errors
+        q = (2 * torch.randn(len(lens), hq, d, generator=gen)).bfloat16().to(DEVICE)
+        return q, torch.tensor(lens, dtype=torch.int32, device=DEVICE), starts, n_valid
+
+    def check(out, q, lens, starts, n_valid):
+        for b, s in enumerate(lens.tolist()):
+            valid = (torch.arange(k_max, device=DEVICE) < n_valid[b]).view(1, -1)
+            want = expected(
+                q[b : b + 1], kv, table[b], s, starts[b : b + 1], valid,
+                bq=1, bk=bk, sink=sink, window=window, scale=d**-0.5,
+            )  # fmt: skip
+            torch.testing.assert_close(out[b : b + 1].float(), want, rtol=2e-2, atol=1e-2)
+
+    kw = dict(block_size_k=bk, sink_tokens=sink, window_tokens=window, scale=d**-0.5)
+    q, lens, starts, n_valid = make(seq_lens, [256, 256, 100, 0])
+    out = tb.sparse_decode_attention(q, kv, table, lens, starts, n_valid, **kw)  # compiles
+    check(out, q, lens, starts, n_valid)
+
+    # No host sync inside the call, and it replays from a CUDA graph with new inputs.
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_g = tb.sparse_decode_attention(q, kv, table, lens, starts, n_valid, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    q2, lens2, starts2, n_valid2 = make([30000, 5000, 32768, 2048], [200, 256, 256, 3])
+    for dst, src in ((q, q2), (lens, lens2), (starts, starts2), (n_valid, n_valid2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out_g, q2, lens2, starts2, n_valid2)
+
+
+@gpu
+def test_gpu_realistic_prefill_bf16():
+    sink, window, bk, bq, k_max = 128, 1024, 8, 64, 256
+    seq_len, nq = 32768, 256
+    gen, hq, kv, table = realistic_inputs([seq_len], seed=12)
+    d = kv.shape[-1]
+    rows = [
+        grid_starts(seq_len - nq + j * bq - window, k_max, k_max - 7 * j, sink, gen)
+        for j in range(nq // bq)
+    ]
+    starts = torch.stack([r[0] for r in rows]).to(DEVICE)
+    valid = torch.stack([torch.arange(k_max) < r[1] for r in rows]).to(DEVICE)
+    q = (2 * torch.randn(nq, hq, d, generator=gen)).bfloat16().to(DEVICE)
+    out = tb.sparse_prefill_attention(
+        q, kv, table[0], seq_len, starts, valid, block_size_q=bq, block_size_k=bk,
+        sink_tokens=sink, window_tokens=window, scale=d**-0.5,
+    )  # fmt: skip
+    want = expected(
+        q, kv, table[0], seq_len, starts, valid,
+        bq=bq, bk=bk, sink=sink, window=window, scale=d**-0.5,
+    )  # fmt: skip
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=1e-2)

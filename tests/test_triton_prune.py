@@ -1,0 +1,324 @@
+"""The Triton SelectRep scorer and paged cascade against the PyTorch reference.
+
+Without a GPU the kernels run in Triton's CPU interpreter; with one, the same small cases run
+compiled on it, and one more case runs at realistic shapes.
+
+``TRITON_INTERPRET=1`` must be set before triton is first imported: the interpreter needs
+triton's own library functions, and the kernels, decorated in interpreter mode. It is set only
+while this module imports and while its tests run, then restored: the whole suite shares one
+process, and vLLM's kernels decorated later, or a server subprocess, must not inherit it.
+
+Ties: SelectRep descends by comparing two probe scores, so scores that tie (or differ by less
+than fp32 rounding, since the kernel sums the products in another order than torch) could send
+the kernel and the reference down different halves. With standard-normal data that has
+probability around 1e-7 per comparison; the seeds below are fixed, so the small cases are
+deterministic on the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+_SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
+
+import pytest  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from vllm_infinitehip.kernels import reference as ref  # noqa: E402
+from vllm_infinitehip.kernels import triton_prune as tp  # noqa: E402
+
+
+def _restore_interpret() -> None:
+    if _SAVED_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
+
+
+_restore_interpret()
+
+INTERPRETED = isinstance(tp._select_rep_kernel, InterpretedFunction) and isinstance(
+    tl.max, InterpretedFunction
+)
+DEVICE = "cpu" if INTERPRETED else "cuda"
+
+pytestmark = [
+    pytest.mark.skipif(
+        not INTERPRETED and not HAS_CUDA,
+        reason="no GPU, and triton (or kernels.triton_prune) was imported before this module "
+        "could set TRITON_INTERPRET=1, so the CPU interpreter cannot run: run this file alone",
+    ),
+    # The interpreter's own loop-bound conversion warns under NumPy >= 1.25.
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_env():
+    """Interpreted launches read TRITON_INTERPRET too; scope it to this module's tests."""
+    if not INTERPRETED:
+        yield
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        _restore_interpret()
+
+
+# --------------------------------------------------------------------------- fixtures
+def paged_cache(
+    k: torch.Tensor, page_size: int, gen: torch.Generator, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache holding ``k`` at randomly permuted pages; everything else (V, spare pages, the
+    block table's tail, slots past the end) is NaN or points at NaN, so a stray read shows."""
+    t, hkv, d = k.shape
+    used = -(-t // page_size)
+    num_pages = used + 5
+    cache = torch.full((num_pages, 2, page_size, hkv, d), float("nan"), dtype=dtype)
+    perm = torch.randperm(num_pages, generator=gen)
+    block_table = torch.cat([perm[:used], perm[used:].repeat(3)]).to(torch.int32)
+    padded = torch.full((used * page_size, hkv, d), float("nan"))
+    padded[:t] = k
+    cache[block_table[:used].long(), 0] = padded.view(used, page_size, hkv, d).to(dtype)
+    return cache.to(DEVICE), block_table.to(DEVICE)
+
+
+def to_cpu_gathered(cache: torch.Tensor, block_table: torch.Tensor, t: int) -> torch.Tensor:
+    k, _ = ref.gather_paged_kv(cache, block_table, t)
+    return k
+
+
+def assert_scores_match(got: torch.Tensor, want: torch.Tensor) -> None:
+    got, want = got.cpu(), want.cpu()
+    assert not torch.isnan(got).any(), "unwritten (poisoned) or NaN scores"
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)), "-inf positions differ"
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-4, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- SelectRep
+# (seq_len, D, page_size, H_q, H_kv, chunk_size, probe, num queries, query stride)
+CASES = [
+    (200, 32, 16, 4, 4, 8, "midpoint", 40, 4),
+    (800, 64, 32, 8, 2, 8, "first", 17, 4),
+    (531, 64, 16, 7, 1, 64, "midpoint", 20, 4),
+    (397, 32, 32, 7, 1, 16, "first", 1, 4),
+    (650, 32, 16, 8, 2, 16, "midpoint", 23, 1),
+    (700, 64, 32, 4, 1, 64, "first", 16, 4),
+    (333, 48, 16, 4, 2, 8, "midpoint", 9, 1),  # D not a power of two
+]
+
+
+@pytest.mark.parametrize("t,d,page,hq,hkv,chunk,probe,nq,stride", CASES)
+def test_scores_equal_reference(t, d, page, hq, hkv, chunk, probe, nq, stride):
+    gen = torch.Generator().manual_seed(t * 31 + d + hq + chunk)
+    k = torch.randn(t, hkv, d, generator=gen)
+    cache, block_table = paged_cache(k, page, gen)
+    q = torch.randn(nq, hq, d, generator=gen)
+    qp = ref.pool_queries(q, 16, stride) * d**-0.5  # a partial block leaves NaN rows
+    nb = qp.shape[0]
+
+    sink = 5
+    c = -(-(t - sink) // chunk)
+    # Starts in random order per block (later stages see arbitrary subsets), some invalid.
+    order = torch.stack([torch.randperm(c, generator=gen) for _ in range(nb)])
+    starts = sink + order * chunk
+    if t % 2:
+        starts = starts.to(torch.int32)
+    valid = (torch.rand(c, nb, generator=gen) > 0.2).t()  # non-contiguous on purpose
+    # Per-block limits: the whole context, one that leaves a chunk a single key wide, one
+    # that cuts a chunk partway, and one that leaves later chunks empty.
+    limits = [t, sink + (c // 2) * chunk + 1, t - chunk // 2 - 1, sink + 2 * chunk + 3]
+    key_limit = torch.tensor([limits[i % len(limits)] for i in range(nb)])
+
+    poison = torch.full((nb, hq, c), float("nan"), device=DEVICE)
+    got = tp.select_rep_scores_paged(
+        qp.to(DEVICE),
+        cache,
+        block_table,
+        starts.to(DEVICE),
+        valid.to(DEVICE),
+        key_limit.to(DEVICE),
+        chunk_size=chunk,
+        probe=probe,
+        per_head_out=poison,
+    )
+
+    kk = to_cpu_gathered(cache.cpu(), block_table.cpu(), t)
+    assert torch.equal(kk, k)
+    cand = ref.Candidates(starts.long(), valid)
+    assert_scores_match(got, ref.select_rep_scores(qp, kk, cand, chunk, key_limit, probe))
+    # Each head's own path, not only the max over heads.
+    g = hq // hkv
+    for h in range(hq):
+        kh = kk[:, h // g : h // g + 1]
+        want_h = ref.select_rep_scores(qp[:, h : h + 1], kh, cand, chunk, key_limit, probe)
+        assert_scores_match(poison[:, h], want_h)
+
+
+def test_empty_inputs_launch_nothing():
+    gen = torch.Generator().manual_seed(0)
+    cache, block_table = paged_cache(torch.randn(40, 1, 32, generator=gen), 16, gen)
+    qp = torch.randn(2, 1, 4, 32, device=DEVICE)
+    none = torch.zeros(2, 0, dtype=torch.long, device=DEVICE)
+    out = tp.select_rep_scores_paged(
+        qp, cache, block_table, none, none.bool(), torch.full((2,), 40, device=DEVICE),
+        chunk_size=8,
+    )  # fmt: skip
+    assert out.shape == (2, 0)
+
+
+def test_bad_arguments_name_the_input():
+    cache = torch.zeros(4, 2, 16, 3, 32)
+    qp = torch.zeros(1, 4, 4, 32)
+    z = torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="H_q=4 must be a multiple of H_kv=3"):
+        tp.select_rep_scores_paged(qp, cache, z[0], z, z.bool(), z[:, 0], chunk_size=8)
+    with pytest.raises(ValueError, match="probe='centre'"):
+        tp.select_rep_scores_paged(
+            qp, cache, z[0], z, z.bool(), z[:, 0], chunk_size=8, probe="centre"
+        )
+
+
+# --------------------------------------------------------------------------- the cascade
+def small_params(probe: str) -> ref.PruneParams:
+    # Budgets below the candidate counts at every stage, so each stage's scores decide.
+    stages = (
+        ref.StageParams(32, 256, 16, 4),
+        ref.StageParams(8, 96, 16, 4),
+        ref.StageParams(4, 48, 16, 1),
+    )
+    return ref.PruneParams(16, 64, stages, probe)
+
+
+def assert_same_selection(got: ref.PruneResult, want: ref.PruneResult) -> None:
+    def same(gs, gv, ws, wv):
+        gs, gv = gs.cpu(), gv.cpu()
+        assert torch.equal(gv, wv)
+        assert torch.equal(gs[gv], ws[wv])  # starts under valid=False are unspecified
+
+    same(got.block_starts, got.block_valid, want.block_starts, want.block_valid)
+    assert len(got.stage_inputs) == len(want.stage_inputs)
+    for g, w in zip(got.stage_inputs, want.stage_inputs):
+        same(g.starts, g.valid, w.starts, w.valid)
+
+
+@pytest.mark.parametrize(
+    "nq,probe,page", [(40, "midpoint", 16), (1, "first", 32)], ids=["prefill", "decode"]
+)
+def test_run_stages_paged_equals_reference(nq, probe, page):
+    t, hq, hkv, d, scale = 700, 8, 2, 32, 0.18
+    gen = torch.Generator().manual_seed(nq)
+    k = torch.randn(t, hkv, d, generator=gen)
+    cache, block_table = paged_cache(k, page, gen)
+    q = torch.randn(nq, hq, d, generator=gen)
+    pos = torch.arange(t - nq, t)
+    params = small_params(probe)
+
+    want = ref.run_stages(params, q, k, pos, scale)
+    assert bool(want.block_valid.any()) and want.block_starts.shape[1] == 12
+    got = tp.run_stages_paged(
+        params, q.to(DEVICE), cache, block_table, pos.to(DEVICE), scale, seq_len=t
+    )
+    assert_same_selection(got, want)
+
+    # Decode refresh: resume at stage 1 from the reference's cached stage input.
+    resume_in = want.stage_inputs[1]
+    want_r = ref.run_stages(params, q, k, pos, scale, 1, resume_in)
+    dev_in = ref.Candidates(resume_in.starts.to(DEVICE), resume_in.valid.to(DEVICE))
+    got_r = tp.run_stages_paged(params, q.to(DEVICE), cache, block_table, pos.to(DEVICE),
+                                scale, 1, dev_in)  # fmt: skip
+    assert_same_selection(got_r, want_r)
+
+
+def test_run_stages_paged_static_bound_keeps_selection():
+    # Sizing stage 1 by an allocated maximum instead of the live length only adds invalid
+    # chunks (as long as the keep count is unchanged), so the valid selection is the same.
+    t, hq, hkv, d, scale, nq = 450, 4, 2, 32, 0.2, 3
+    gen = torch.Generator().manual_seed(7)
+    k = torch.randn(t, hkv, d, generator=gen)
+    cache, block_table = paged_cache(k, 16, gen)
+    q = torch.randn(nq, hq, d, generator=gen)
+    pos = torch.arange(t - nq, t)
+    params = small_params("midpoint")
+    want = ref.run_stages(params, q, k, pos, scale)
+    got = tp.run_stages_paged(
+        params, q.to(DEVICE), cache, block_table, pos.to(DEVICE), scale, seq_len=t + 300
+    )
+    assert got.stage_inputs[0].starts.shape[1] > want.stage_inputs[0].starts.shape[1]
+    gv = got.block_valid.cpu()
+    assert torch.equal(gv, want.block_valid)
+    assert torch.equal(got.block_starts.cpu()[gv], want.block_starts[want.block_valid])
+
+
+# --------------------------------------------------------------------------- realistic, GPU
+def overlap(got_starts, got_valid, want_starts, want_valid) -> float:
+    """Share of the reference's selected (block, start) pairs that ``got`` also selects."""
+    def pairs(s, v):
+        s, v = s.cpu(), v.cpu()
+        rows = torch.arange(s.shape[0]).view(-1, 1).expand_as(s)
+        return set(zip(rows[v].tolist(), s[v].tolist()))
+
+    want = pairs(want_starts, want_valid)
+    return len(pairs(got_starts, got_valid) & want) / max(1, len(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs a CUDA GPU (compiled Triton)")
+@pytest.mark.parametrize("fast_dot,min_overlap", [(False, 0.95), (True, 0.9)])
+def test_realistic_decode_on_gpu(fast_dot, min_overlap):
+    t, hq, hkv, d, page = 65536, 32, 8, 128, 16
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    k = torch.randn(t, hkv, d, generator=gen, device=dev, dtype=torch.bfloat16)
+    used = t // page
+    num_pages = used + 64
+    cache = torch.randn(num_pages, 2, page, hkv, d, generator=gen, device=dev).bfloat16()
+    block_table = torch.randperm(num_pages, generator=gen, device=dev)[:used].to(torch.int32)
+    cache[block_table.long(), 0] = k.view(used, page, hkv, d)
+    q = torch.randn(1, hq, d, generator=gen, device=dev, dtype=torch.bfloat16)
+    pos = torch.tensor([t - 1], device=dev)
+    scale = d**-0.5
+    stages = (
+        ref.StageParams(256, 32768, 64, 4),
+        ref.StageParams(32, 8192, 64, 4),
+        ref.StageParams(8, 2048, 64, 1),
+    )
+    params = ref.PruneParams(256, 1024, stages, "midpoint")
+
+    # Stage 1 alone: the top-128 of ~250 chunks.
+    qp = ref.pool_queries(q, 64, 4) * scale
+    key_limit = pos + 1
+    cand = ref.first_stage_candidates(params, t, pos)
+    want = ref.select_rep_scores(qp, k, cand, 256, key_limit)
+    got = tp.select_rep_scores_paged(
+        qp, cache, block_table, cand.starts, cand.valid, key_limit, chunk_size=256,
+        fast_dot=fast_dot,
+    )  # fmt: skip
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    top_w = torch.topk(want, 128, dim=1).indices
+    top_g = torch.topk(got, 128, dim=1).indices
+    assert overlap(top_g, torch.ones_like(top_g, dtype=torch.bool), top_w,
+                   torch.ones_like(top_w, dtype=torch.bool)) >= min_overlap  # fmt: skip
+
+    # The whole cascade, with no host sync once seq_len is given.
+    want_r = ref.run_stages(params, q, k, pos, scale)
+    tp.run_stages_paged(params, q, cache, block_table, pos, scale, seq_len=t, fast_dot=fast_dot)
+    torch.cuda.synchronize()  # compiled and warm before the sync check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got_r = tp.run_stages_paged(
+            params, q, cache, block_table, pos, scale, seq_len=t, fast_dot=fast_dot
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert int(want_r.block_valid.sum()) == 256
+    assert overlap(got_r.block_starts, got_r.block_valid, want_r.block_starts,
+                   want_r.block_valid) >= min_overlap  # fmt: skip
