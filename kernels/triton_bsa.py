@@ -1,8 +1,8 @@
 """Block-sparse attention (INFINITEHIP.md §1.7) in Triton, reading vLLM's paged KV cache.
 
-Two entry points, both exact re-statements of :func:`reference.masked_attention` over the key set of
-:func:`reference.sparse_key_mask` (sink ``[0, n_sink)`` ∪ window ``(p - n_stream, p]`` ∪ the query
-block's selected blocks, causal, every key once):
+Two entry points, both exact re-statements of :func:`reference.masked_attention` over the key set
+of :func:`reference.sparse_key_mask` (sink ``[0, n_sink)``, window ``(p - n_stream, p]`` and the
+query block's selected blocks, causal, every key once):
 
 - :func:`sparse_decode_attention`: one query per request, FlashDecoding style. The key set of a
   request is laid out as one "virtual" key sequence (sink, then window, then the selected blocks),
@@ -378,8 +378,9 @@ def _prefill_kernel(
         )  # fmt: skip
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out_rows = out_ptr + qi[:, None].to(tl.int64) * stride_on + h * stride_oh
     tl.store(
-        out_ptr + qi[:, None].to(tl.int64) * stride_on + h * stride_oh + offs_d[None, :] * stride_od,
+        out_rows + offs_d[None, :] * stride_od,
         o.to(out_ptr.dtype.element_ty),
         mask=q_ok[:, None] & d_ok[None, :],
     )
@@ -401,7 +402,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _check_kv(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int]:
     """``(group, head_dim, page_size)`` after checking that q and the cache agree."""
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
-        raise ValueError(f"kv_cache must be [num_pages, 2, page_size, H_kv, D], got {kv_cache.shape}")
+        raise ValueError(
+            f"kv_cache must be [num_pages, 2, page_size, H_kv, D], got {tuple(kv_cache.shape)}"
+        )
     hq, d = q.shape[-2], q.shape[-1]
     hkv = kv_cache.shape[3]
     if kv_cache.shape[4] != d:
@@ -421,7 +424,10 @@ def _sm_count(device_index: int) -> int:
 
 def _default_num_splits(max_keys: int, programs: int, device: torch.device, block_n: int) -> int:
     """Enough splits to fill the GPU about twice, but at least ``4 * block_n`` keys per split."""
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
+    if device.type == "cuda":
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        sms = 1
     by_work = triton.cdiv(max_keys, 4 * block_n)
     by_fill = triton.cdiv(2 * sms, max(programs, 1))
     return max(1, min(by_work, by_fill, 32))

@@ -24,6 +24,7 @@ import triton.language as tl
 from . import reference as ref
 
 PROBES = ("midpoint", "first")
+PRECISIONS = ("fp32", "ieee", "fast")
 
 
 @triton.jit
@@ -41,6 +42,7 @@ def _probe_scores(
     stride_kd,
     PAGE_SIZE: tl.constexpr,
     FAST_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Per position in ``pos``: max over the block's present queries of q·k at that key."""
     page = tl.load(block_table_ptr + pos // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
@@ -55,8 +57,9 @@ def _probe_scores(
         # Tensor-core precision: 16-bit keys as stored (q_t was cast to match), or tf32.
         s = tl.dot(k, q_t)
     else:
-        # fp32 like the reference: exact upcast of the keys, IEEE products (no tf32).
-        s = tl.dot(k.to(tl.float32), q_t, input_precision="ieee")
+        # fp32 like the reference: exact upcast of the keys, then IEEE products (FMA) or
+        # tf32x3, whose split operands reach fp32 accuracy on tensor cores.
+        s = tl.dot(k.to(tl.float32), q_t, input_precision=PRECISION)
     s = tl.where(q_absent[None, :], float("-inf"), s)
     return tl.max(s, axis=1)
 
@@ -94,6 +97,7 @@ def _select_rep_kernel(
     N_ITERS: tl.constexpr,
     MIDPOINT: tl.constexpr,
     FAST_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_CHUNK: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -153,7 +157,7 @@ def _select_rep_kernel(
         need = tl.reshape(tl.join(live, live), [2 * BLOCK_CHUNK])
         s = _probe_scores(
             k_head_ptr, block_table_ptr, pos, need, q_t, q_absent, offs_d, d_in,
-            stride_kpage, stride_ktok, stride_kd, PAGE_SIZE, FAST_DOT,
+            stride_kpage, stride_ktok, stride_kd, PAGE_SIZE, FAST_DOT, PRECISION,
         )  # fmt: skip
         s_left, s_right = tl.split(tl.reshape(s, [BLOCK_CHUNK, 2]))
         # Strictly greater goes left, so a tie descends right, as in the reference.
@@ -167,13 +171,22 @@ def _select_rep_kernel(
     if tl.max(single.to(tl.int32), axis=0) > 0:
         s_single = _probe_scores(
             k_head_ptr, block_table_ptr, left, single, q_t, q_absent, offs_d, d_in,
-            stride_kpage, stride_ktok, stride_kd, PAGE_SIZE, FAST_DOT,
+            stride_kpage, stride_ktok, stride_kd, PAGE_SIZE, FAST_DOT, PRECISION,
         )  # fmt: skip
         best = tl.where(single, s_single, best)
     # Invalid chunks were never live nor single, so they still hold -inf.
     tl.store(
         out_ptr + blk * stride_ob + head * stride_oh + offs_c * stride_oc, best, mask=c_in
     )
+
+
+def _launch_config(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_CHUNK, num_warps): two [BLOCK_CHUNK, D] key tiles per step must fit in registers.
+
+    On an H200 (D=128, 64K-1M keys, decode and 16-block prefill) 64 chunks with 8 warps was
+    within noise of the best of {16, 32, 64} x {2, 4, 8}; 2 warps spills badly in fp32.
+    """
+    return (32 if head_dim > 128 else 64), 8
 
 
 def _bisect_steps(chunk_size: int) -> int:
@@ -191,7 +204,7 @@ def select_rep_scores_paged(
     chunk_size: int,
     probe: str = "midpoint",
     per_head_out: torch.Tensor | None = None,
-    fast_dot: bool = False,
+    precision: str = "fp32",
 ) -> torch.Tensor:
     """SelectRep chunk scores ``[n_blocks, C]`` float32, equal to ``reference.select_rep_scores``.
 
@@ -202,15 +215,25 @@ def select_rep_scores_paged(
     block ``b`` covers ``[starts[b, j], min(starts[b, j] + chunk_size, key_limit[b]))``; invalid
     or empty chunks score ``-inf``; the result is the max over query heads.
 
-    Guarantees: the bisection path and the probed keys are the reference's; products are fp32
-    (IEEE) unless ``fast_dot``, which uses the keys' 16-bit dtype (queries rounded to it) or
-    tf32 and may therefore descend differently on near-ties. Only keys inside live chunks are
-    read, so pages past ``key_limit`` need not exist in ``block_table_row``. Positions must fit
-    in int32. No host sync; ``per_head_out`` (``[n_blocks, H_q, C]`` float32, overwritten) lets
-    a caller keep the scratch preallocated.
+    ``precision`` picks how q·k is computed; keys are always upcast exactly first:
+
+    - ``"fp32"`` (default): tf32x3 on tensor cores, fp32-accurate (H200, bf16 keys: every score
+      within 1e-4 of the reference and identical top-k at 64K-1M keys);
+    - ``"ieee"``: plain fp32 products, the slowest (about 10-20x ``"fp32"``);
+    - ``"fast"``: one tensor-core pass in the keys' dtype (bf16/fp16: queries rounded to it;
+      fp32 keys: tf32). About 2-4x faster than ``"fp32"``, but most scores move by more than
+      1e-4 relative and a bisection may descend differently (H200: ~99% of the reference's top-k kept).
+
+    Guarantees: the bisection path and the probed keys are the reference's (up to near-ties
+    within rounding, see ``precision``). Only keys inside live chunks are read, so pages past
+    ``key_limit`` need not exist in ``block_table_row``. Positions must fit in int32. No host
+    sync; ``per_head_out`` (``[n_blocks, H_q, C]`` float32, overwritten) lets a caller keep the
+    scratch preallocated.
     """
     if probe not in PROBES:
         raise ValueError(f"probe={probe!r} must be one of {PROBES}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} must be one of {PRECISIONS}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     nb, hq, nq, d = q_pooled.shape
@@ -221,6 +244,8 @@ def select_rep_scores_paged(
         )
     if hq % hkv:
         raise ValueError(f"H_q={hq} must be a multiple of H_kv={hkv}")
+    if precision == "fast" and kv_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"precision='fast' needs fp16, bf16 or fp32 keys, not {kv_cache.dtype}")
     c = starts.shape[1]
     if starts.shape != (nb, c) or valid.shape != (nb, c) or key_limit.shape != (nb,):
         raise ValueError(
@@ -237,7 +262,7 @@ def select_rep_scores_paged(
     if nb == 0 or c == 0:
         return per_head_out.new_empty(nb, c)
 
-    block_chunk = 32 if d > 128 else 64
+    block_chunk, num_warps = _launch_config(d)
     # tl.dot needs every dimension >= 16; padding rows are masked as absent queries.
     block_q = max(16, triton.next_power_of_2(nq))
     block_d = max(16, triton.next_power_of_2(d))
@@ -268,10 +293,12 @@ def select_rep_scores_paged(
         CHUNK_SIZE=chunk_size,
         N_ITERS=_bisect_steps(chunk_size),
         MIDPOINT=probe == "midpoint",
-        FAST_DOT=fast_dot,
+        FAST_DOT=precision == "fast",
+        PRECISION="ieee" if precision == "ieee" else "tf32x3",
         BLOCK_CHUNK=block_chunk,
         BLOCK_Q=block_q,
         BLOCK_D=block_d,
+        num_warps=num_warps,
     )
     return per_head_out.amax(dim=1)
 
@@ -294,11 +321,12 @@ def _split(
     starts: torch.Tensor, valid: torch.Tensor, chunk: int, sub: int, key_limit: torch.Tensor
 ) -> ref.Candidates:
     """Each surviving ``chunk``-wide chunk becomes ``chunk // sub`` sub-chunks (§1.5)."""
-    n_blocks = starts.shape[0]
+    n_blocks, kept = starts.shape
     split = chunk // sub
     offs = torch.arange(split, device=starts.device) * sub
-    sub_starts = (starts.unsqueeze(-1) + offs).reshape(n_blocks, -1)
-    sub_valid = valid.unsqueeze(-1).expand(-1, -1, split).reshape(n_blocks, -1)
+    # Explicit widths (not -1): a request with no query block still has a well-defined shape.
+    sub_starts = (starts.unsqueeze(-1) + offs).reshape(n_blocks, kept * split)
+    sub_valid = valid.unsqueeze(-1).expand(-1, -1, split).reshape(n_blocks, kept * split)
     sub_valid = sub_valid & (sub_starts < key_limit.view(-1, 1))
     return ref.Candidates(sub_starts, sub_valid)
 
@@ -314,7 +342,7 @@ def run_stages_paged(
     start_input: ref.Candidates | None = None,
     *,
     seq_len: int | None = None,
-    fast_dot: bool = False,
+    precision: str = "fp32",
 ) -> ref.PruneResult:
     """The pruning cascade of :func:`reference.run_stages`, scored by the Triton kernel.
 
@@ -325,9 +353,10 @@ def run_stages_paged(
     are masked invalid). With ``seq_len`` given, or when resuming (``start_stage > 0``), nothing
     syncs with the host; otherwise it is read from ``q_positions`` (one sync).
 
-    Guarantees: with the same ``seq_len`` and fp32 products, the valid selections and each
-    stage's valid candidates equal the reference's (up to score near-ties within fp32
-    rounding). Every stage is scored, even one where all live chunks survive: the survivors
+    ``precision`` is :func:`select_rep_scores_paged`'s. Guarantees: with the same ``seq_len``
+    and ``"fp32"`` or ``"ieee"`` precision, the valid selections and each stage's valid
+    candidates equal the reference's (up to score near-ties within fp32 rounding); with
+    ``seq_len`` given, the call is CUDA-graph capturable. Every stage is scored, even one where all live chunks survive: the survivors
     are then the same set, and they are re-sorted by position, so score ties do not matter.
     Starts stored under ``valid == False`` are unspecified.
     """
@@ -369,7 +398,7 @@ def run_stages_paged(
             key_limit,
             chunk_size=st.chunk_size,
             probe=params.probe,
-            fast_dot=fast_dot,
+            precision=precision,
         )
         kept_starts, kept_valid = _keep_top(scores, cand, keep)
         if i == n_stages - 1:

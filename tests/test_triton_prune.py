@@ -104,20 +104,21 @@ def assert_scores_match(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 # --------------------------------------------------------------------------- SelectRep
-# (seq_len, D, page_size, H_q, H_kv, chunk_size, probe, num queries, query stride)
+# (seq_len, D, page_size, H_q, H_kv, chunk_size, probe, num queries, query stride, precision)
 CASES = [
-    (200, 32, 16, 4, 4, 8, "midpoint", 40, 4),
-    (800, 64, 32, 8, 2, 8, "first", 17, 4),
-    (531, 64, 16, 7, 1, 64, "midpoint", 20, 4),
-    (397, 32, 32, 7, 1, 16, "first", 1, 4),
-    (650, 32, 16, 8, 2, 16, "midpoint", 23, 1),
-    (700, 64, 32, 4, 1, 64, "first", 16, 4),
-    (333, 48, 16, 4, 2, 8, "midpoint", 9, 1),  # D not a power of two
+    (200, 32, 16, 4, 4, 8, "midpoint", 40, 4, "fp32"),
+    (800, 64, 32, 8, 2, 8, "first", 17, 4, "fp32"),
+    (531, 64, 16, 7, 1, 64, "midpoint", 20, 4, "fp32"),
+    (397, 32, 32, 7, 1, 16, "first", 1, 4, "fp32"),
+    (650, 32, 16, 8, 2, 16, "midpoint", 23, 1, "fp32"),
+    (700, 64, 32, 4, 1, 64, "first", 16, 4, "fp32"),
+    (333, 48, 16, 4, 2, 8, "midpoint", 9, 1, "fp32"),  # D not a power of two
+    (257, 32, 16, 8, 2, 16, "first", 33, 4, "ieee"),
 ]
 
 
-@pytest.mark.parametrize("t,d,page,hq,hkv,chunk,probe,nq,stride", CASES)
-def test_scores_equal_reference(t, d, page, hq, hkv, chunk, probe, nq, stride):
+@pytest.mark.parametrize("t,d,page,hq,hkv,chunk,probe,nq,stride,precision", CASES)
+def test_scores_equal_reference(t, d, page, hq, hkv, chunk, probe, nq, stride, precision):
     gen = torch.Generator().manual_seed(t * 31 + d + hq + chunk)
     k = torch.randn(t, hkv, d, generator=gen)
     cache, block_table = paged_cache(k, page, gen)
@@ -149,6 +150,7 @@ def test_scores_equal_reference(t, d, page, hq, hkv, chunk, probe, nq, stride):
         chunk_size=chunk,
         probe=probe,
         per_head_out=poison,
+        precision=precision,
     )
 
     kk = to_cpu_gathered(cache.cpu(), block_table.cpu(), t)
@@ -175,6 +177,16 @@ def test_empty_inputs_launch_nothing():
     assert out.shape == (2, 0)
 
 
+def test_request_without_queries():
+    gen = torch.Generator().manual_seed(1)
+    cache, block_table = paged_cache(torch.randn(100, 2, 32, generator=gen), 16, gen)
+    res = tp.run_stages_paged(
+        small_params("midpoint"), torch.zeros(0, 4, 32, device=DEVICE), cache, block_table,
+        torch.zeros(0, dtype=torch.long, device=DEVICE), 0.1, seq_len=100,
+    )  # fmt: skip
+    assert res.block_starts.shape == (0, 12) and res.block_valid.shape == (0, 12)
+
+
 def test_bad_arguments_name_the_input():
     cache = torch.zeros(4, 2, 16, 3, 32)
     qp = torch.zeros(1, 4, 4, 32)
@@ -184,6 +196,10 @@ def test_bad_arguments_name_the_input():
     with pytest.raises(ValueError, match="probe='centre'"):
         tp.select_rep_scores_paged(
             qp, cache, z[0], z, z.bool(), z[:, 0], chunk_size=8, probe="centre"
+        )
+    with pytest.raises(ValueError, match="precision='tf32'"):
+        tp.select_rep_scores_paged(
+            qp, cache[:, :, :, :2], z[0], z, z.bool(), z[:, 0], chunk_size=8, precision="tf32"
         )
 
 
@@ -272,8 +288,8 @@ def overlap(got_starts, got_valid, want_starts, want_valid) -> float:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs a CUDA GPU (compiled Triton)")
-@pytest.mark.parametrize("fast_dot,min_overlap", [(False, 0.95), (True, 0.9)])
-def test_realistic_decode_on_gpu(fast_dot, min_overlap):
+@pytest.mark.parametrize("precision,min_overlap", [("fp32", 0.95), ("fast", 0.9)])
+def test_realistic_decode_on_gpu(precision, min_overlap):
     t, hq, hkv, d, page = 65536, 32, 8, 128, 16
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -300,7 +316,7 @@ def test_realistic_decode_on_gpu(fast_dot, min_overlap):
     want = ref.select_rep_scores(qp, k, cand, 256, key_limit)
     got = tp.select_rep_scores_paged(
         qp, cache, block_table, cand.starts, cand.valid, key_limit, chunk_size=256,
-        fast_dot=fast_dot,
+        precision=precision,
     )  # fmt: skip
     assert torch.equal(torch.isneginf(got), torch.isneginf(want))
     top_w = torch.topk(want, 128, dim=1).indices
@@ -310,12 +326,12 @@ def test_realistic_decode_on_gpu(fast_dot, min_overlap):
 
     # The whole cascade, with no host sync once seq_len is given.
     want_r = ref.run_stages(params, q, k, pos, scale)
-    tp.run_stages_paged(params, q, cache, block_table, pos, scale, seq_len=t, fast_dot=fast_dot)
+    tp.run_stages_paged(params, q, cache, block_table, pos, scale, seq_len=t, precision=precision)
     torch.cuda.synchronize()  # compiled and warm before the sync check
     torch.cuda.set_sync_debug_mode("error")
     try:
         got_r = tp.run_stages_paged(
-            params, q, cache, block_table, pos, scale, seq_len=t, fast_dot=fast_dot
+            params, q, cache, block_table, pos, scale, seq_len=t, precision=precision
         )
     finally:
         torch.cuda.set_sync_debug_mode(0)

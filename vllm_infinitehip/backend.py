@@ -33,6 +33,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_infinitehip.config import InfiniteHiPConfig
 from vllm_infinitehip.kernels import reference as ref
+from vllm_infinitehip.kernels.ops import ReferenceOps, RequestKV, ops_for
 from vllm_infinitehip.mask_state import LEVEL_NONE, DecodeState, DecodeStateStore, refresh_level
 from vllm_infinitehip.metrics import AttentionStats
 
@@ -238,22 +239,24 @@ class InfiniteHiPImpl(AttentionImpl):
         return self._params
 
     def _sparse_prefill(
-        self, params: ref.PruneParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        self, ops: ReferenceOps, params: ref.PruneParams, req: RequestKV, q: torch.Tensor,
         positions: torch.Tensor,
     ) -> tuple[torch.Tensor, int]:
         """Sparse attention for a prefill chunk; its last query block uses the tail window."""
         tail = params.block_size_q if self._tail_params is not None else 0
-        if tail == 0 or q.shape[0] <= tail:
-            p = self._tail_params if tail else params
-            o, _, attended = ref.sparse_attention(p, q, k, v, positions, self.scale)
-            return o, attended
-        head_o, _, head_n = ref.sparse_attention(
-            params, q[:-tail], k, v, positions[:-tail], self.scale
-        )
-        tail_o, _, tail_n = ref.sparse_attention(
-            self._tail_params, q[-tail:], k, v, positions[-tail:], self.scale
-        )
-        return torch.cat([head_o, tail_o]), head_n + tail_n
+        parts = []
+        if tail and q.shape[0] > tail:
+            parts.append((params, slice(0, q.shape[0] - tail)))
+            parts.append((self._tail_params, slice(q.shape[0] - tail, q.shape[0])))
+        else:
+            parts.append((self._tail_params if tail else params, slice(0, q.shape[0])))
+        outs, attended = [], 0
+        for p, sl in parts:
+            prune = ops.prune(p, req, q[sl], positions[sl], self.scale)
+            o, n = ops.attend(p, req, q[sl], positions[sl], self.scale, prune)
+            outs.append(o)
+            attended += n
+        return torch.cat(outs) if len(outs) > 1 else outs[0], attended
 
     def do_kv_cache_update(
         self,
@@ -288,28 +291,28 @@ class InfiniteHiPImpl(AttentionImpl):
         out = output[: m.num_actual_tokens].view(-1, self.num_heads, self.head_size)
         q_all = query[: m.num_actual_tokens].view(-1, self.num_heads, self.head_size)
         threshold = self.config.effective_dense_threshold
+        ops = ops_for(q_all.device)
         for i, seq_len in enumerate(m.seq_lens_host):
             lo, hi = m.query_start_loc_host[i], m.query_start_loc_host[i + 1]
             if hi == lo:
                 continue
             q = q_all[lo:hi]
-            k, v = ref.gather_paged_kv(kv_cache, m.block_table[i], seq_len)
+            req = RequestKV(kv_cache, m.block_table[i], seq_len)
             positions = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
             if seq_len <= threshold:
-                out[lo:hi] = ref.dense_attention(q, k, v, positions, self.scale)
+                out[lo:hi] = ops.dense(req, q, positions, self.scale)
                 self.stats.dense_queries += hi - lo
                 continue
             state = m.decode_states[i]
             if state is None:  # a prefill chunk (or a lone query outside decode tracking)
-                o, attended = self._sparse_prefill(params, q, k, v, positions)
+                o, attended = self._sparse_prefill(ops, params, req, q, positions)
                 self.stats.sparse_prefill_queries += hi - lo
             else:
-                prune = self._decode_mask(params, state, m.refresh_levels[i], q, k, positions)
-                o, _, attended = ref.sparse_attention(
-                    params, q, k, v, positions, self.scale, prune=prune
-                )
+                level = m.refresh_levels[i]
+                prune = self._decode_mask(ops, params, state, level, req, q, positions)
+                o, attended = ops.attend(params, req, q, positions, self.scale, prune)
                 self.stats.sparse_decode_queries += 1
-                self.stats.count_refresh(m.refresh_levels[i], n_stages)
+                self.stats.count_refresh(level, n_stages)
             out[lo:hi] = o
             self.stats.sparse_attended_pairs += attended
             self.stats.sparse_context_pairs += int((positions + 1).sum())
@@ -317,11 +320,12 @@ class InfiniteHiPImpl(AttentionImpl):
 
     def _decode_mask(
         self,
+        ops: ReferenceOps,
         params: ref.PruneParams,
         state: DecodeState,
         level: int,
+        req: RequestKV,
         q: torch.Tensor,
-        k: torch.Tensor,
         positions: torch.Tensor,
     ) -> ref.PruneResult:
         """The decode mask at this step's refresh level, from this layer's cached stage inputs."""
@@ -332,9 +336,7 @@ class InfiniteHiPImpl(AttentionImpl):
         if level >= n_stages:
             return cached
         start_input = None if level == 0 else cached.stage_inputs[level]
-        prune = ref.run_stages(
-            params, q, k, positions, self.scale, start_stage=level, start_input=start_input
-        )
+        prune = ops.prune(params, req, q, positions, self.scale, level, start_input)
         if level > 0:
             prune.stage_inputs = cached.stage_inputs[:level] + prune.stage_inputs
         state.layers[self._layer_name] = prune
