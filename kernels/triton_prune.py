@@ -124,7 +124,7 @@ def _select_rep_kernel(
     ).to(tl.float32)
     # NaN marks a pooled row that holds no query; zero it so the product stays finite and mask
     # its scores instead (padding rows past n_q are absent too).
-    q_nan = q_t != q_t
+    q_nan = q_t != q_t  # noqa: PLR0124 (the NaN test)
     q_absent = (tl.max(q_nan.to(tl.int32), axis=0) > 0) | (offs_q >= n_q)
     q_t = tl.where(q_nan, 0.0, q_t)
     if FAST_DOT:
@@ -175,9 +175,7 @@ def _select_rep_kernel(
         )  # fmt: skip
         best = tl.where(single, s_single, best)
     # Invalid chunks were never live nor single, so they still hold -inf.
-    tl.store(
-        out_ptr + blk * stride_ob + head * stride_oh + offs_c * stride_oc, best, mask=c_in
-    )
+    tl.store(out_ptr + blk * stride_ob + head * stride_oh + offs_c * stride_oc, best, mask=c_in)
 
 
 def _launch_config(head_dim: int) -> tuple[int, int]:
@@ -237,7 +235,7 @@ def select_rep_scores_paged(
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     nb, hq, nq, d = q_pooled.shape
-    num_pages, two, page_size, hkv, dk = kv_cache.shape
+    _, two, page_size, hkv, dk = kv_cache.shape
     if two != 2 or dk != d:
         raise ValueError(
             f"kv_cache shape {tuple(kv_cache.shape)} must be [num_pages, 2, page_size, H_kv, {d}]"

@@ -21,21 +21,26 @@ import os
 
 import torch
 
+if not torch.cuda.is_available():
+    # Before triton and the kernels are imported; the previous value is parked in the
+    # environment (not a variable) so that nothing but environment edits precede the imports.
+    os.environ["_TRITON_INTERPRET_BEFORE"] = os.environ.get("TRITON_INTERPRET", "<unset>")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from vllm_infinitehip.kernels import reference as ref
+from vllm_infinitehip.kernels import triton_prune as tp
+
 HAS_CUDA = torch.cuda.is_available()
-_SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
-
-import pytest  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from vllm_infinitehip.kernels import reference as ref  # noqa: E402
-from vllm_infinitehip.kernels import triton_prune as tp  # noqa: E402
+_SAVED_INTERPRET = os.environ.pop("_TRITON_INTERPRET_BEFORE", None)
 
 
 def _restore_interpret() -> None:
-    if _SAVED_INTERPRET is None:
+    if _SAVED_INTERPRET is None:  # a GPU: nothing was changed
+        return
+    if _SAVED_INTERPRET == "<unset>":
         os.environ.pop("TRITON_INTERPRET", None)
     else:
         os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
@@ -277,6 +282,7 @@ def test_run_stages_paged_static_bound_keeps_selection():
 # --------------------------------------------------------------------------- realistic, GPU
 def overlap(got_starts, got_valid, want_starts, want_valid) -> float:
     """Share of the reference's selected (block, start) pairs that ``got`` also selects."""
+
     def pairs(s, v):
         s, v = s.cpu(), v.cpu()
         rows = torch.arange(s.shape[0]).view(-1, 1).expand_as(s)

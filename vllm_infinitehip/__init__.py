@@ -24,4 +24,5 @@ def register() -> None:
     compat.add_backend_enum_member()
     compat.route_cpu_platform()
     compat.validate_at_config_time()
+    compat.extend_context_at_engine_args()
     _registered = True

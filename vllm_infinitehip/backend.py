@@ -208,8 +208,14 @@ class InfiniteHiPImpl(AttentionImpl):
         self.config = InfiniteHiPConfig.from_vllm_config(get_current_vllm_config())
         self.stats = AttentionStats()
         model_config = get_current_vllm_config().model_config
-        trained = getattr(model_config.hf_text_config, "max_position_embeddings", None)
-        self.tail_window = self.config.tail_window(trained or model_config.max_model_len)
+        trained = (
+            self.config.trained_context
+            or getattr(model_config.hf_text_config, "max_position_embeddings", None)
+            or model_config.max_model_len
+        )
+        self.trained_context = trained
+        self.tail_window = self.config.tail_window(trained)
+        self.rope_extension = self.config.extends_rope(model_config.max_model_len, trained)
         self._params: ref.PruneParams | None = None
         self._tail_params: ref.PruneParams | None = None
         self._layer_name: str | None = None

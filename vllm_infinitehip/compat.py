@@ -10,6 +10,8 @@
 3. There is no config hook for plugins, so :func:`validate_at_config_time` wraps the platform's
    ``check_and_update_config`` (run while ``VllmConfig`` is built, in the user's process) to
    validate ``additional_config["infinitehip"]`` where the user gave it.
+4. vLLM refuses ``--max-model-len`` above the trained length and sizes its rotary cache to it;
+   :func:`extend_context_at_engine_args` raises both for infinitehip (see there).
 
 Each function is idempotent: ``register()`` runs in every vLLM process, sometimes more than once.
 """
@@ -103,3 +105,74 @@ def validate_at_config_time() -> None:
 
     setattr(check_and_update_config, _PATCHED_MARK, True)
     platform_cls.check_and_update_config = classmethod(check_and_update_config)  # type: ignore
+
+
+def _chose_infinitehip(engine_args: Any) -> bool:
+    chosen = getattr(engine_args, "attention_backend", None)
+    if chosen is None:
+        chosen = getattr(getattr(engine_args, "attention_config", None), "backend", None)
+    name = chosen if isinstance(chosen, str) else getattr(chosen, "name", None)
+    return isinstance(name, str) and name.upper() == BACKEND_NAME
+
+
+# RoPE types whose rotary cache vLLM sizes by max_position_embeddings alone, so raising it to the
+# served length changes nothing else about the model.
+_CACHE_ONLY_ROPE_TYPES = (None, "default", "llama3")
+
+
+def extend_context_at_engine_args() -> None:
+    """Let ``--max-model-len`` exceed the trained length when the backend is infinitehip.
+
+    vLLM refuses a ``max_model_len`` above the model's ``max_position_embeddings`` and builds its
+    rotary cache only that long. InfiniteHiP keeps every position a layer sees inside the trained
+    range, so for RoPE types whose cache length is all that ``max_position_embeddings`` controls,
+    the plugin raises it to the served length (through vLLM's own ``hf_overrides``) and records
+    the trained length as ``infinitehip.trained_context``. Other RoPE types fail with the flag to
+    add. Runs where the user gave the arguments (``LLM(...)`` or ``vllm serve``).
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_model_config
+    if getattr(original, _PATCHED_MARK, False):
+        return
+
+    def create_model_config(self):
+        if _chose_infinitehip(self):
+            _extend_context(self)
+        return original(self)
+
+    setattr(create_model_config, _PATCHED_MARK, True)
+    EngineArgs.create_model_config = create_model_config  # type: ignore[method-assign]
+
+
+def _extend_context(args: Any) -> None:
+    from vllm.transformers_utils.config import get_config
+
+    additional = dict(args.additional_config or {})
+    hip = additional.get("infinitehip") or {}
+    if not isinstance(hip, dict):
+        return  # a bad value: InfiniteHiPConfig reports it when VllmConfig is built
+    hip = dict(hip)
+    cfg = get_config(args.model, args.trust_remote_code, revision=args.revision)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    trained = getattr(text, "max_position_embeddings", None)
+    if trained is None:
+        return
+    hip.setdefault("trained_context", int(trained))
+    additional["infinitehip"] = hip
+    args.additional_config = additional
+    wanted = args.max_model_len
+    if not isinstance(wanted, int) or wanted <= trained:
+        return
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else "nested"
+    flag = f"--hf-overrides '{{\"max_position_embeddings\": {wanted}}}'"
+    if rope_type not in _CACHE_ONLY_ROPE_TYPES or callable(args.hf_overrides):
+        raise ValueError(
+            f"--max-model-len {wanted} exceeds {args.model}'s trained length {trained}, and its "
+            f"RoPE type {rope_type!r} (or a callable hf_overrides) is not one the infinitehip "
+            f"plugin extends by itself. Add {flag} if a longer rotary cache is all it needs."
+        )
+    overrides = dict(args.hf_overrides or {})
+    overrides.setdefault("max_position_embeddings", wanted)
+    args.hf_overrides = overrides

@@ -75,6 +75,10 @@ class InfiniteHiPConfig:
     - ``dense_threshold``: sequences up to this many tokens run exact dense attention.
       ``None`` means sink + window + final budget, the point below which sparsity saves nothing.
     - ``probe``: SelectRep probe rule, ``midpoint`` (code, default) or ``first`` (paper).
+    - ``rope_extension``: remap RoPE positions (INFINITEHIP.md §2) so every distance a layer sees
+      stays inside the trained range: ``"auto"`` (on when ``max_model_len`` exceeds
+      ``trained_context``), ``true`` or ``false``.
+    - ``trained_context``: the model's trained length; filled in from the model's config.
     - ``prefill_tail_window``: the last ``block_size_q`` queries of every prefill chunk (the ones
       that produce the first output token) attend with this larger window. ``"auto"`` (the
       authors' code): trained length - sink - final budget - block_size_q; ``null``: off.
@@ -91,6 +95,8 @@ class InfiniteHiPConfig:
     dense_threshold: int | None = None
     probe: str = "midpoint"
     prefill_tail_window: int | str | None = "auto"
+    rope_extension: bool | str = "auto"
+    trained_context: int | None = None
 
     @property
     def final_keep_tokens(self) -> int:
@@ -105,6 +111,11 @@ class InfiniteHiPConfig:
         if self.dense_threshold is not None:
             return self.dense_threshold
         return self.sink_tokens + self.window_tokens + self.final_keep_tokens
+
+    def extends_rope(self, max_model_len: int, trained_context: int) -> bool:
+        if self.rope_extension == "auto":
+            return max_model_len > trained_context
+        return bool(self.rope_extension)
 
     def tail_window(self, trained_context: int) -> int | None:
         """Window of a prefill chunk's last query block, or None when the tail is not special."""
@@ -137,7 +148,8 @@ class InfiniteHiPConfig:
             f"stages=[{stages}] refresh={list(self.refresh_intervals)} "
             f"dense_threshold={self.effective_dense_threshold} probe={self.probe} "
             f"dense_layers={list(self.dense_layers)}->k={self.dense_layer_keep_tokens} "
-            f"prefill_tail_window={self.prefill_tail_window}"
+            f"prefill_tail_window={self.prefill_tail_window} "
+            f"rope_extension={self.rope_extension} trained_context={self.trained_context}"
         )
 
     # ---------------------------------------------------------------- parsing
@@ -191,6 +203,17 @@ class InfiniteHiPConfig:
                     f"`infinitehip.probe`={probe!r} is not one of {', '.join(PROBE_RULES)}"
                 )
             kwargs["probe"] = probe
+        if "rope_extension" in values:
+            v = values["rope_extension"]
+            if v not in (True, False, "auto"):
+                raise InfiniteHiPConfigError(
+                    f"`infinitehip.rope_extension`={v!r} must be true, false or \"auto\""
+                )
+            kwargs["rope_extension"] = v
+        if values.get("trained_context") is not None:
+            kwargs["trained_context"] = _int(
+                values["trained_context"], "infinitehip.trained_context", minimum=1
+            )
         if "prefill_tail_window" in values:
             v = values["prefill_tail_window"]
             if v is not None and v != "auto":
