@@ -182,7 +182,8 @@ def _launch_config(head_dim: int) -> tuple[int, int]:
     """(BLOCK_CHUNK, num_warps): two [BLOCK_CHUNK, D] key tiles per step must fit in registers.
 
     On an H200 (D=128, 64K-1M keys, decode and 16-block prefill) 64 chunks with 8 warps was
-    within noise of the best of {16, 32, 64} x {2, 4, 8}; 2 warps spills badly in fp32.
+    within noise of the best of {16, 32, 64} x {2, 4, 8}; fewer warps spill in the fp32 modes
+    (``"ieee"`` ran 6-8x slower with 4 warps than with 8).
     """
     return (32 if head_dim > 128 else 64), 8
 
@@ -217,10 +218,11 @@ def select_rep_scores_paged(
 
     - ``"fp32"`` (default): tf32x3 on tensor cores, fp32-accurate (H200, bf16 keys: every score
       within 1e-4 of the reference and identical top-k at 64K-1M keys);
-    - ``"ieee"``: plain fp32 products, the slowest (about 10-20x ``"fp32"``);
+    - ``"ieee"``: plain fp32 products, 2.5-4x slower than ``"fp32"``;
     - ``"fast"``: one tensor-core pass in the keys' dtype (bf16/fp16: queries rounded to it;
-      fp32 keys: tf32). About 2-4x faster than ``"fp32"``, but most scores move by more than
-      1e-4 relative and a bisection may descend differently (H200: ~99% of the reference's top-k kept).
+      fp32 keys: tf32). 1.5-4x faster than ``"fp32"``, but most scores move by more than
+      1e-4 relative and a bisection may descend differently (H200: ~99% of the reference's
+      top-k kept).
 
     Guarantees: the bisection path and the probed keys are the reference's (up to near-ties
     within rounding, see ``precision``). Only keys inside live chunks are read, so pages past
