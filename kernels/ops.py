@@ -69,6 +69,8 @@ class TritonOps(ReferenceOps):
     """Triton kernels over the paged cache: the GPU path. Dense stays on SDPA (short sequences)."""
 
     def prune(self, params, req, q, positions, scale, start_stage=0, start_input=None):
+        if params.rope is not None:  # RoPE remapping runs in the reference for now
+            return super().prune(params, req, q, positions, scale, start_stage, start_input)
         from vllm_infinitehip.kernels.triton_prune import run_stages_paged
 
         return run_stages_paged(
@@ -79,6 +81,8 @@ class TritonOps(ReferenceOps):
     def attend(self, params, req, q, positions, scale, prune):
         """As the reference; the pair count is the budget (sink, window, selected blocks), an
         upper bound, since counting exactly would need the whole key mask."""
+        if params.rope is not None:  # RoPE remapping runs in the reference for now
+            return super().attend(params, req, q, positions, scale, prune)
         from vllm_infinitehip.kernels import triton_bsa
 
         starts = prune.block_starts.to(torch.int32)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vllm_infinitehip.kernels.rope import RopeTable, rotate
+
 NEG_INF = float("-inf")
 
 
@@ -38,6 +40,20 @@ class StageParams:
 
 
 @dataclass(frozen=True)
+class RopePlan:
+    """Position remapping of one layer (INFINITEHIP.md §2) for keys cached already rotated.
+
+    ``pruning``: ``"relative"`` (query at sw'+1, left probe at 0, right probe at 1),
+    ``"chunk-indexed"`` (key at its chunk's ordinal, query at min(p, C + sw')) or ``"none"``.
+    ``bsa``: ``"streaming"`` (sink and selected keys laid out just left of the window) or ``"none"``.
+    """
+
+    table: RopeTable
+    pruning: str = "relative"
+    bsa: str = "streaming"
+
+
+@dataclass(frozen=True)
 class PruneParams:
     """What the pruning cascade and block-sparse attention need for one layer."""
 
@@ -45,6 +61,7 @@ class PruneParams:
     window_tokens: int
     stages: tuple[StageParams, ...]
     probe: str = "midpoint"
+    rope: RopePlan | None = None
 
     @property
     def block_size_q(self) -> int:
@@ -170,8 +187,15 @@ def select_rep_scores(
     chunk_size: int,
     key_limit: torch.Tensor,
     probe: str = "midpoint",
+    q_pooled_right: torch.Tensor | None = None,
+    chunk_rotation: tuple[torch.Tensor, RopeTable] | None = None,
 ) -> torch.Tensor:
     """Score every candidate chunk of every query block with SelectRep (§1.4).
+
+    RoPE remapping (§2): ``q_pooled_right`` scores right-branch probes with other queries (the
+    relative style puts the left and right probe keys at different positions); with
+    ``chunk_rotation = (delta [n_blocks, C], table)`` every probe key of chunk ``j`` is rotated by
+    ``delta[:, j]`` first (the chunk-indexed style).
 
     ``q_pooled`` is ``[n_blocks, H_q, n_q, D]`` and already multiplied by the softmax scale;
     ``k`` is ``[T, H_kv, D]``. Chunk ``j`` of block ``b`` covers
@@ -186,11 +210,31 @@ def select_rep_scores(
     if c == 0:
         return q_pooled.new_empty(nb, 0)
     num_keys = int(key_limit.max())
-    table = key_score_table(q_pooled, k, num_keys).view(nb * hq, num_keys)
-    row = (torch.arange(nb * hq, device=k.device) * num_keys).view(nb, hq, 1)
+    if chunk_rotation is not None:
+        delta, rope_table = chunk_rotation
+        hkv = k.shape[1]
+        head_kv = (torch.arange(hq, device=k.device) // (hq // hkv)).view(1, hq, 1)
+        absent = torch.isnan(q_pooled[..., 0]).unsqueeze(-1)
+        qz = torch.nan_to_num(q_pooled, nan=0.0)
+        kf = k.float()
+        per_key_delta = delta.view(nb, 1, c).expand(nb, hq, c)
 
-    def probe_score(pos: torch.Tensor) -> torch.Tensor:
-        return table.view(-1)[row + pos.clamp(0, num_keys - 1)]
+        def probe_score(pos: torch.Tensor) -> torch.Tensor:
+            idx = pos.clamp(0, num_keys - 1)
+            keys = rotate(kf[idx, head_kv.expand_as(idx)], per_key_delta, rope_table)
+            s = torch.einsum("bhqd,bhcd->bhqc", qz, keys).masked_fill(absent, NEG_INF)
+            return s.amax(dim=2)
+    else:
+        left_table = key_score_table(q_pooled, k, num_keys).view(-1)
+        right_table = (
+            left_table
+            if q_pooled_right is None
+            else key_score_table(q_pooled_right, k, num_keys).view(-1)
+        )
+        row = (torch.arange(nb * hq, device=k.device) * num_keys).view(nb, hq, 1)
+
+        def probe_score(pos: torch.Tensor, right: bool = False) -> torch.Tensor:
+            return (right_table if right else left_table)[row + pos.clamp(0, num_keys - 1)]
 
     left = cand.starts.view(nb, 1, c).expand(nb, hq, c).clone()
     right = torch.minimum(cand.starts + chunk_size, key_limit.view(nb, 1)).view(nb, 1, c)
@@ -206,7 +250,8 @@ def select_rep_scores(
             p_left, p_right = (left + mid) // 2, (mid + right) // 2
         else:  # "first": the paper's Algorithm 3 probes the first index of each branch
             p_left, p_right = left, mid
-        s_left, s_right = probe_score(p_left), probe_score(p_right)
+        s_left = probe_score(p_left)
+        s_right = probe_score(p_right) if chunk_rotation else probe_score(p_right, right=True)
         go_left = s_left > s_right
         best = torch.where(live, torch.maximum(best, torch.where(go_left, s_left, s_right)), best)
         right = torch.where(live & go_left, mid, right)
@@ -259,6 +304,13 @@ def run_stages(
     # keys every query of a block may see
     key_limit = torch.clamp(block_min_pos + 1, max=seq_len)
 
+    rope = params.rope
+    remap = rope is not None and rope.pruning != "none"
+    if remap:
+        # Score with un-rotated queries and keys, then place them where the style says.
+        q = rotate(q.float(), -q_positions.long(), rope.table)
+        k = rotate(k.float(), -torch.arange(seq_len, device=k.device), rope.table)
+
     stage_inputs: list[Candidates] = []
     if start_stage == 0:
         cand = first_stage_candidates(params, seq_len, block_min_pos)
@@ -276,7 +328,7 @@ def run_stages(
             scores = torch.where(live, 0.0, NEG_INF)
         else:
             qp = pool_queries(q, bq, st.query_stride) * scale
-            scores = select_rep_scores(qp, k, cand, st.chunk_size, key_limit, params.probe)
+            scores = _stage_scores(params, qp, k, cand, st.chunk_size, key_limit, block_min_pos)
         top_scores, top_idx = torch.topk(scores, keep, dim=1)
         kept_valid = ~torch.isneginf(top_scores)
         kept_starts = torch.gather(cand.starts, 1, top_idx)
@@ -296,6 +348,36 @@ def run_stages(
         sub_valid = sub_valid & (sub_starts < key_limit.view(-1, 1))
         cand = Candidates(sub_starts, sub_valid)
     raise AssertionError("unreachable: at least one stage runs")
+
+
+def _stage_scores(
+    params: PruneParams,
+    qp: torch.Tensor,
+    k: torch.Tensor,
+    cand: Candidates,
+    chunk_size: int,
+    key_limit: torch.Tensor,
+    block_min_pos: torch.Tensor,
+) -> torch.Tensor:
+    """SelectRep scores of one stage, with the layer's RoPE style (§2) when it has one."""
+    rope = params.rope
+    if rope is None or rope.pruning == "none":
+        return select_rep_scores(qp, k, cand, chunk_size, key_limit, params.probe)
+    sw = params.scan_window
+    if rope.pruning == "relative":
+        # query at sw'+1, left probe at 0, right probe at 1: distances sw'+1 and sw'
+        return select_rep_scores(
+            rotate(qp, sw + 1, rope.table), k, cand, chunk_size, key_limit, params.probe,
+            q_pooled_right=rotate(qp, sw, rope.table),
+        )  # fmt: skip
+    # chunk-indexed: key at its chunk's ordinal c, query at min(p, C + sw'); the score only
+    # depends on the gap, so keys turn by c - query position and queries stay at 0.
+    c = cand.starts.shape[1]
+    q_pos = torch.clamp(block_min_pos, max=c + sw)
+    delta = torch.arange(c, device=k.device).view(1, -1) - q_pos.view(-1, 1)
+    return select_rep_scores(
+        qp, k, cand, chunk_size, key_limit, params.probe, chunk_rotation=(delta, rope.table)
+    )
 
 
 # --------------------------------------------------------------------------- attention
@@ -380,6 +462,9 @@ def sparse_attention(
     """
     if prune is None:
         prune = run_stages(params, q, k, q_positions, scale)
+    if params.rope is not None and params.rope.bsa == "streaming":
+        out, attended = _streaming_attention(params, q, k, v, q_positions, scale, prune)
+        return out, prune, attended
     out = torch.empty_like(q)
     attended = 0
     bq = params.block_size_q
@@ -398,3 +483,56 @@ def sparse_attention(
         cols = mask.any(0).nonzero().squeeze(1)
         out[lo:hi] = masked_attention(q[lo:hi], k[cols], v[cols], mask[:, cols], scale)
     return out, prune, attended
+
+
+def _streaming_attention(
+    params: PruneParams,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    prune: PruneResult,
+) -> tuple[torch.Tensor, int]:
+    """Block-sparse attention with StreamingLLM-style positions (§2), per query block.
+
+    Queries and the block's window ``(p_min - n_stream, p]`` keep their true positions; the
+    sink tokens and then the selected blocks, in index order, are moved to contiguous positions
+    ending just left of the window, so every distance stays near the budget, not the context.
+    """
+    from vllm_infinitehip.kernels.rope import streaming_positions
+
+    table = params.rope.table
+    bq, bk = params.block_size_q, params.block_size_k
+    seq_len = k.shape[0]
+    out = torch.empty_like(q)
+    attended = 0
+    sink = torch.arange(min(params.sink_tokens, seq_len), device=k.device)
+    offs = torch.arange(bk, device=k.device)
+    for b in range(prune.block_starts.shape[0]):
+        lo, hi = b * bq, min(q.shape[0], (b + 1) * bq)
+        pos = q_positions[lo:hi].long()
+        p_min, p_max = int(pos[0]), int(pos[-1])
+        window_start = max(0, p_min - params.window_tokens + 1)
+        starts = prune.block_starts[b][prune.block_valid[b]]
+        selected = (starts.view(-1, 1) + offs).reshape(-1)
+        far = torch.cat([sink, selected])
+        new_pos = streaming_positions(
+            params.sink_tokens, params.window_tokens, selected.numel(), torch.tensor(p_min),
+            num_slots=params.sink_tokens + selected.numel(),
+        )[: far.numel()].to(k.device)  # fmt: skip
+        keep = far < min(window_start, seq_len)  # window keys stay at their true positions
+        far, new_pos = far[keep], new_pos[keep]
+        window = torch.arange(window_start, p_max + 1, device=k.device)
+        keys = torch.cat([rotate(k[far], new_pos - far, table), k[window]])
+        values = torch.cat([v[far], v[window]])
+        mask = torch.cat(
+            [
+                torch.ones(hi - lo, far.numel(), dtype=torch.bool, device=k.device),
+                window.view(1, -1) <= pos.view(-1, 1),
+            ],
+            dim=1,
+        )
+        attended += int(mask.sum())
+        out[lo:hi] = masked_attention(q[lo:hi], keys, values, mask, scale)
+    return out, attended

@@ -216,6 +216,15 @@ class InfiniteHiPImpl(AttentionImpl):
         self.trained_context = trained
         self.tail_window = self.config.tail_window(trained)
         self.rope_extension = self.config.extends_rope(model_config.max_model_len, trained)
+        self._rope_table = None
+        if self.rope_extension:
+            from vllm_infinitehip.kernels.rope import RopeTable
+
+            # vLLM's own rotary embedding of this model (rope_theta, llama3 scaling), built here
+            # while the model's config is current.
+            self._rope_table = RopeTable.from_vllm(
+                head_size, model_config.hf_text_config, dtype=model_config.dtype
+            )
         self._params: ref.PruneParams | None = None
         self._tail_params: ref.PruneParams | None = None
         self._layer_name: str | None = None
@@ -225,7 +234,8 @@ class InfiniteHiPImpl(AttentionImpl):
             from vllm.model_executor.models.utils import extract_layer_index
 
             self._layer_name = layer.layer_name
-            final_keep = self.config.final_keep_for_layer(extract_layer_index(layer.layer_name))
+            layer_index = extract_layer_index(layer.layer_name)
+            final_keep = self.config.final_keep_for_layer(layer_index)
             stages = [
                 ref.StageParams(s.chunk_size, s.keep_tokens, s.block_size_q, s.query_stride)
                 for s in self.config.stages
@@ -239,10 +249,21 @@ class InfiniteHiPImpl(AttentionImpl):
                 window_tokens=self.config.window_tokens,
                 stages=tuple(stages),
                 probe=self.config.probe,
+                rope=self._rope_plan(layer_index),
             )
             if self.tail_window is not None:
                 self._tail_params = dataclasses.replace(self._params, window_tokens=self.tail_window)
         return self._params
+
+    def _rope_plan(self, layer_index: int) -> ref.RopePlan | None:
+        """This layer's position remapping when extending past the trained length (§2)."""
+        if self._rope_table is None:
+            return None
+        return ref.RopePlan(
+            table=self._rope_table,
+            pruning=self.config.rope_pruning_for_layer(layer_index),
+            bsa=self.config.rope_bsa,
+        )
 
     def _sparse_prefill(
         self, ops: ReferenceOps, params: ref.PruneParams, req: RequestKV, q: torch.Tensor,

@@ -57,6 +57,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 PROBE_RULES = ("midpoint", "first")
+ROPE_PRUNING_STYLES = ("paper", "relative", "chunk-indexed", "none")
+ROPE_BSA_STYLES = ("streaming", "none")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class InfiniteHiPConfig:
     - ``rope_extension``: remap RoPE positions (INFINITEHIP.md §2) so every distance a layer sees
       stays inside the trained range: ``"auto"`` (on when ``max_model_len`` exceeds
       ``trained_context``), ``true`` or ``false``.
+    - ``rope_pruning``: RoPE style in the pruning stages when extending: ``"paper"`` (chunk-indexed
+      in ``dense_layers``, relative elsewhere), ``"relative"``, ``"chunk-indexed"`` or ``"none"``.
+    - ``rope_bsa``: RoPE style in block-sparse attention when extending: ``"streaming"``, ``"none"``.
     - ``trained_context``: the model's trained length; filled in from the model's config.
     - ``prefill_tail_window``: the last ``block_size_q`` queries of every prefill chunk (the ones
       that produce the first output token) attend with this larger window. ``"auto"`` (the
@@ -96,6 +101,8 @@ class InfiniteHiPConfig:
     probe: str = "midpoint"
     prefill_tail_window: int | str | None = "auto"
     rope_extension: bool | str = "auto"
+    rope_pruning: str = "paper"
+    rope_bsa: str = "streaming"
     trained_context: int | None = None
 
     @property
@@ -116,6 +123,11 @@ class InfiniteHiPConfig:
         if self.rope_extension == "auto":
             return max_model_len > trained_context
         return bool(self.rope_extension)
+
+    def rope_pruning_for_layer(self, layer_index: int) -> str:
+        if self.rope_pruning == "paper":
+            return "chunk-indexed" if layer_index in self.dense_layers else "relative"
+        return self.rope_pruning
 
     def tail_window(self, trained_context: int) -> int | None:
         """Window of a prefill chunk's last query block, or None when the tail is not special."""
@@ -210,6 +222,13 @@ class InfiniteHiPConfig:
                     f"`infinitehip.rope_extension`={v!r} must be true, false or \"auto\""
                 )
             kwargs["rope_extension"] = v
+        for name, allowed in (("rope_pruning", ROPE_PRUNING_STYLES), ("rope_bsa", ROPE_BSA_STYLES)):
+            if name in values:
+                if values[name] not in allowed:
+                    raise InfiniteHiPConfigError(
+                        f"`infinitehip.{name}`={values[name]!r} is not one of {', '.join(allowed)}"
+                    )
+                kwargs[name] = values[name]
         if values.get("trained_context") is not None:
             kwargs["trained_context"] = _int(
                 values["trained_context"], "infinitehip.trained_context", minimum=1
