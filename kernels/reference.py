@@ -224,6 +224,21 @@ def select_rep_scores(
             keys = rotate(kf[idx, head_kv.expand_as(idx)], per_key_delta, rope_table)
             s = torch.einsum("bhqd,bhcd->bhqc", qz, keys).masked_fill(absent, NEG_INF)
             return s.amax(dim=2)
+    elif 4 * math.ceil(math.log2(max(chunk_size, 2))) * c < num_keys:
+        # Few probes against a long context: score just the probed keys (same numbers).
+        hkv = k.shape[1]
+        head_kv = (torch.arange(hq, device=k.device) // (hq // hkv)).view(1, hq, 1)
+        kf = k.float()
+        sides = []
+        for qs in (q_pooled, q_pooled if q_pooled_right is None else q_pooled_right):
+            sides.append((torch.nan_to_num(qs, nan=0.0), torch.isnan(qs[..., 0]).unsqueeze(-1)))
+
+        def probe_score(pos: torch.Tensor, right: bool = False) -> torch.Tensor:
+            qz, absent = sides[int(right)]
+            idx = pos.clamp(0, num_keys - 1)
+            keys = kf[idx, head_kv.expand_as(idx)]
+            s = torch.einsum("bhqd,bhcd->bhqc", qz, keys).masked_fill(absent, NEG_INF)
+            return s.amax(dim=2)
     else:
         left_table = key_score_table(q_pooled, k, num_keys).view(-1)
         right_table = (
