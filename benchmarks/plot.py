@@ -35,9 +35,38 @@ def plot_attention(result: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def plot_passkey(result: dict, out: Path) -> None:
+    """One heatmap per backend: accuracy by context length (x) and needle depth (y)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    backends = sorted({r["backend"] for r in rows})
+    lengths = sorted({r["context"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+    fig, axes = plt.subplots(1, len(backends), figsize=(4.5 * len(backends), 3.6), squeeze=False)
+    for ax, backend in zip(axes[0], backends):
+        grid = [[next((r["accuracy"] for r in rows if r["backend"] == backend
+                       and r["context"] == n and r["depth"] == d), float("nan"))
+                 for n in lengths] for d in depths]
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+        ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+        ax.set(title=f"{backend}", xlabel="context", ylabel="needle depth")
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="passkey accuracy")
+    model = rows[0]["model"]
+    fig.suptitle(f"{model} (trained {rows[0]['trained_context']}), {result['gpu']}, {result['date']}")
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+
+
 if __name__ == "__main__":
     path = Path(sys.argv[1])
     result = json.loads(path.read_text())
     out = path.with_suffix(".png")
-    {"attention": plot_attention}[result["name"]](result, out)
+    {"attention": plot_attention, "passkey": plot_passkey}[result["name"]](result, out)
     print(f"wrote {out}")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vllm_infinitehip.kernels.rope import RopeTable, rotate
+from vllm_infinitehip.kernels.rope import RopeTable, apply_rotation, rope_cos_sin, rotate
 
 NEG_INF = float("-inf")
 
@@ -217,11 +217,12 @@ def select_rep_scores(
         absent = torch.isnan(q_pooled[..., 0]).unsqueeze(-1)
         qz = torch.nan_to_num(q_pooled, nan=0.0)
         kf = k.float()
-        per_key_delta = delta.view(nb, 1, c).expand(nb, hq, c)
+        # every probe of a chunk turns by the same delta: cos/sin once per stage
+        cos, sin = rope_cos_sin(delta.view(nb, 1, c), rope_table.to(k.device))
 
         def probe_score(pos: torch.Tensor) -> torch.Tensor:
             idx = pos.clamp(0, num_keys - 1)
-            keys = rotate(kf[idx, head_kv.expand_as(idx)], per_key_delta, rope_table)
+            keys = apply_rotation(kf[idx, head_kv.expand_as(idx)], cos, sin, rope_table)
             s = torch.einsum("bhqd,bhcd->bhqc", qz, keys).masked_fill(absent, NEG_INF)
             return s.amax(dim=2)
     elif 4 * math.ceil(math.log2(max(chunk_size, 2))) * c < num_keys:

@@ -234,7 +234,16 @@ def rotate(x: torch.Tensor, delta: IntLike, table: RopeTable) -> torch.Tensor:
         )
     table = table if table.inv_freq.device == x.device else table.to(x.device)
     cos, sin = rope_cos_sin(d, table, compute)
+    return apply_rotation(x, cos, sin, table)
 
+
+def apply_rotation(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: RopeTable
+) -> torch.Tensor:
+    """Rotate ``x [..., D]`` by precomputed ``cos``/``sin`` (``[..., rotary_dim // 2]``,
+    broadcastable), e.g. from :func:`rope_cos_sin` once for many rotations by the same deltas."""
+    rd = table.rotary_dim
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(compute)
     xr = xf[..., :rd]
     if table.is_neox:

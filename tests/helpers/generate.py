@@ -19,4 +19,17 @@ if __name__ == "__main__":
         kw["attention_backend"] = backend
     llm = LLM(model, **kw)
     outs = llm.generate(spec["prompts"], SamplingParams(temperature=0, max_tokens=spec["max_tokens"]))
-    json.dump([o.outputs[0].token_ids for o in outs], open(path_out, "w"))
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    if not spec.get("report"):
+        json.dump(tokens, open(path_out, "w"))
+        sys.exit(0)
+    from vllm_infinitehip.metrics import collect_stats
+
+    cfg = llm.llm_engine.vllm_config
+    report = {
+        "max_model_len": cfg.model_config.max_model_len,
+        "max_position_embeddings": cfg.model_config.hf_text_config.max_position_embeddings,
+        "trained_context": (cfg.additional_config or {}).get("infinitehip", {}).get("trained_context"),
+        "stats": llm.collective_rpc(collect_stats)[0],
+    }
+    json.dump({"tokens": tokens, "report": report}, open(path_out, "w"))
