@@ -16,7 +16,7 @@ if __name__ == "__main__":
 
     kw = dict(spec["engine"])
     if backend != "default":
-        kw["attention_backend"] = backend
+        kw["attention_backend"] = backend  # "infinitehip" or any vLLM backend name
     llm = LLM(model, **kw)
     outs = llm.generate(spec["prompts"], SamplingParams(temperature=0, max_tokens=spec["max_tokens"]))
     tokens = [list(o.outputs[0].token_ids) for o in outs]

@@ -1,0 +1,61 @@
+"""The backend inside vLLM on a CUDA GPU (Triton path). CPU twins: tests/test_vllm_cpu.py.
+
+Needs vLLM and the offline bundle's tiny Llama (shared/device: /tmp/devbundle-models), run with
+``load_format="dummy"``; each engine runs in its own process through tests/helpers/generate.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+MODEL = os.environ.get("INFINITEHIP_GPU_TEST_MODEL", "/tmp/devbundle-models/model-llama-tiny")
+HELPER = Path(__file__).parent.parent / "helpers" / "generate.py"
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not Path(MODEL).exists(), reason=f"needs the bundle's model at {MODEL}"),
+]
+
+ENGINE = dict(load_format="dummy", dtype="float32", enforce_eager=True, max_model_len=8192,
+              max_num_seqs=4, gpu_memory_utilization=0.3, seed=0)
+STAGES = [{"chunk_size": 64, "keep_tokens": 1024, "block_size_q": 32, "query_stride": 4},
+          {"chunk_size": 16, "keep_tokens": 512, "block_size_q": 32, "query_stride": 4},
+          {"chunk_size": 8, "keep_tokens": 256, "block_size_q": 32, "query_stride": 1}]
+PROMPTS = ["def main():\n    " + "x = compute(x)\n    " * 500 + "return", "import os\n" * 900]
+
+
+def generate(tmp_path: Path, backend: str, engine: dict, max_tokens: int = 12):
+    spec = {"engine": engine, "prompts": PROMPTS, "max_tokens": max_tokens,
+            "report": backend == "infinitehip"}
+    (tmp_path / "in.json").write_text(json.dumps(spec))
+    out = tmp_path / f"{backend}.json"
+    subprocess.run([sys.executable, str(HELPER), MODEL, backend, str(tmp_path / "in.json"),
+                    str(out)], check=True, timeout=600)
+    return json.loads(out.read_text())
+
+
+def test_full_budget_triton_path_equals_dense_backend(tmp_path):
+    full = [dict(s, keep_tokens=8192) for s in STAGES]
+    hip = {"sink_tokens": 32, "window_tokens": 256, "dense_threshold": 64, "dense_layers": [],
+           "stages": full, "prefill_tail_window": None}
+    ours = generate(tmp_path, "infinitehip", {**ENGINE, "additional_config": {"infinitehip": hip}})
+    dense = generate(tmp_path, "TRITON_ATTN", ENGINE)
+    assert ours["report"]["stats"]["sparse_prefill_queries"] > 0
+    assert ours["tokens"] == dense
+
+
+def test_small_budget_runs_sparse_on_gpu(tmp_path):
+    hip = {"sink_tokens": 32, "window_tokens": 256, "dense_threshold": 512, "dense_layers": [],
+           "stages": STAGES}
+    ours = generate(tmp_path, "infinitehip", {**ENGINE, "additional_config": {"infinitehip": hip}})
+    stats = ours["report"]["stats"]
+    assert all(len(t) == 12 for t in ours["tokens"])
+    assert stats["sparse_prefill_queries"] > 0 and stats["sparse_decode_queries"] > 0
+    assert stats["dense_queries"] == 0
