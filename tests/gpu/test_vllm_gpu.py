@@ -23,12 +23,12 @@ pytestmark = [
     pytest.mark.skipif(not Path(MODEL).exists(), reason=f"needs the bundle's model at {MODEL}"),
 ]
 
-ENGINE = dict(load_format="dummy", dtype="float32", enforce_eager=True, max_model_len=8192,
+ENGINE = dict(load_format="dummy", dtype="float32", enforce_eager=True, max_model_len=4096,
               max_num_seqs=4, gpu_memory_utilization=0.3, seed=0)
 STAGES = [{"chunk_size": 64, "keep_tokens": 1024, "block_size_q": 32, "query_stride": 4},
           {"chunk_size": 16, "keep_tokens": 512, "block_size_q": 32, "query_stride": 4},
           {"chunk_size": 8, "keep_tokens": 256, "block_size_q": 32, "query_stride": 1}]
-PROMPTS = ["def main():\n    " + "x = compute(x)\n    " * 500 + "return", "import os\n" * 900]
+PROMPTS = ["def main():\n    " + "x = compute(x)\n    " * 300 + "return", "import os\n" * 600]
 
 
 def generate(tmp_path: Path, backend: str, engine: dict, max_tokens: int = 12):

@@ -18,6 +18,10 @@ if __name__ == "__main__":
     if backend != "default":
         kw["attention_backend"] = backend  # "infinitehip" or any vLLM backend name
     llm = LLM(model, **kw)
+    if spec.get("report"):
+        from vllm_infinitehip.metrics import collect_stats
+
+        llm.collective_rpc(collect_stats, kwargs={"reset": True})  # not the warm-up run's counts
     outs = llm.generate(spec["prompts"], SamplingParams(temperature=0, max_tokens=spec["max_tokens"]))
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     if not spec.get("report"):
