@@ -427,14 +427,21 @@ def sparse_key_mask(
 
 
 def masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    is_causal: bool = False,
 ) -> torch.Tensor:
-    """Softmax attention of ``q [Nq, Hq, D]`` over ``k, v [T, Hkv, D]`` where ``mask [Nq, T]``."""
+    """Softmax attention of ``q [Nq, Hq, D]`` over ``k, v [T, Hkv, D]`` where ``mask [Nq, T]``
+    (or causal from the first key when ``is_causal``)."""
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0).to(q.dtype),
         v.transpose(0, 1).unsqueeze(0).to(q.dtype),
         attn_mask=mask,
+        is_causal=is_causal,
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
@@ -446,15 +453,7 @@ def dense_attention(
 ) -> torch.Tensor:
     """Exact causal attention of the last ``Nq`` positions over all ``T`` keys."""
     if q.shape[0] == k.shape[0]:  # a whole prompt: the fused causal kernel
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            v.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            is_causal=True,
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-        return out.squeeze(0).transpose(0, 1)
+        return masked_attention(q, k, v, None, scale, is_causal=True)
     t = torch.arange(k.shape[0], device=q.device).view(1, -1)
     return masked_attention(q, k, v, t <= q_positions.long().view(-1, 1), scale)
 
