@@ -59,7 +59,8 @@ class InfiniteHiPMetadata:
 
 
 class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
-    # The reference path does host work per request; CUDA graphs come with the Triton path.
+    # build() matches requests to their decode state on the host (block-table rows, lengths), so
+    # the attention op runs outside CUDA graphs; FULL graphs need that matching on device.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     def __init__(
