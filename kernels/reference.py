@@ -210,34 +210,28 @@ def select_rep_scores(
     if c == 0:
         return q_pooled.new_empty(nb, 0)
     num_keys = int(key_limit.max())
-    if chunk_rotation is not None:
-        delta, rope_table = chunk_rotation
-        hkv = k.shape[1]
-        head_kv = (torch.arange(hq, device=k.device) // (hq // hkv)).view(1, hq, 1)
-        absent = torch.isnan(q_pooled[..., 0]).unsqueeze(-1)
-        qz = torch.nan_to_num(q_pooled, nan=0.0)
-        kf = k.float()
-        # every probe of a chunk turns by the same delta: cos/sin once per stage
-        cos, sin = rope_cos_sin(delta.view(nb, 1, c), rope_table.to(k.device))
-
-        def probe_score(pos: torch.Tensor) -> torch.Tensor:
-            idx = pos.clamp(0, num_keys - 1)
-            keys = apply_rotation(kf[idx, head_kv.expand_as(idx)], cos, sin, rope_table)
-            s = torch.einsum("bhqd,bhcd->bhqc", qz, keys).masked_fill(absent, NEG_INF)
-            return s.amax(dim=2)
-    elif 4 * math.ceil(math.log2(max(chunk_size, 2))) * c < num_keys:
-        # Few probes against a long context: score just the probed keys (same numbers).
+    n_steps = max(1, math.ceil(math.log2(max(chunk_size, 2))))
+    if chunk_rotation is not None or 4 * n_steps * c < num_keys:
+        # Score just the probed keys: needed when keys turn per chunk, and cheaper than a
+        # whole-context table when there are few probes (same numbers either way).
         hkv = k.shape[1]
         head_kv = (torch.arange(hq, device=k.device) // (hq // hkv)).view(1, hq, 1)
         kf = k.float()
-        sides = []
-        for qs in (q_pooled, q_pooled if q_pooled_right is None else q_pooled_right):
-            sides.append((torch.nan_to_num(qs, nan=0.0), torch.isnan(qs[..., 0]).unsqueeze(-1)))
+        sides = [
+            (torch.nan_to_num(qs, nan=0.0), torch.isnan(qs[..., 0]).unsqueeze(-1))
+            for qs in (q_pooled, q_pooled if q_pooled_right is None else q_pooled_right)
+        ]
+        if chunk_rotation is not None:
+            delta, rope_table = chunk_rotation
+            # every probe of a chunk turns by the same delta: cos/sin once per stage
+            cos, sin = rope_cos_sin(delta.view(nb, 1, c), rope_table.to(k.device))
 
         def probe_score(pos: torch.Tensor, right: bool = False) -> torch.Tensor:
             qz, absent = sides[int(right)]
             idx = pos.clamp(0, num_keys - 1)
             keys = kf[idx, head_kv.expand_as(idx)]
+            if chunk_rotation is not None:
+                keys = apply_rotation(keys, cos, sin, rope_table)
             s = torch.einsum("bhqd,bhcd->bhqc", qz, keys).masked_fill(absent, NEG_INF)
             return s.amax(dim=2)
     else:
@@ -257,7 +251,7 @@ def select_rep_scores(
     right = right.expand(nb, hq, c).clone()
     valid = (cand.valid & (cand.starts < key_limit.view(nb, 1))).view(nb, 1, c).expand(nb, hq, c)
     best = torch.full((nb, hq, c), NEG_INF, device=k.device)
-    for _ in range(max(1, math.ceil(math.log2(max(chunk_size, 2))))):
+    for _ in range(n_steps):
         live = valid & (right - left > 1)
         if not bool(live.any()):
             break
@@ -266,8 +260,7 @@ def select_rep_scores(
             p_left, p_right = (left + mid) // 2, (mid + right) // 2
         else:  # "first": the paper's Algorithm 3 probes the first index of each branch
             p_left, p_right = left, mid
-        s_left = probe_score(p_left)
-        s_right = probe_score(p_right) if chunk_rotation else probe_score(p_right, right=True)
+        s_left, s_right = probe_score(p_left), probe_score(p_right, right=True)
         go_left = s_left > s_right
         best = torch.where(live, torch.maximum(best, torch.where(go_left, s_left, s_right)), best)
         right = torch.where(live & go_left, mid, right)
