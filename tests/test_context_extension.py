@@ -71,3 +71,11 @@ def test_unsupported_rope_type_names_the_flag(tmp_path, short_trained_model):
     args = EngineArgs(model=str(model), attention_backend="infinitehip", max_model_len=40000)
     with pytest.raises(ValueError, match=r"--hf-overrides '\{\"max_position_embeddings\": 40000\}'"):
         args.create_model_config()
+    # with the named override given, the plugin steps aside (vLLM's own checks decide)
+    from vllm_infinitehip import compat
+
+    args = EngineArgs(model=str(model), attention_backend="infinitehip", max_model_len=40000,
+                      hf_overrides={"max_position_embeddings": 40000})
+    compat._extend_context(args)
+    assert args.hf_overrides == {"max_position_embeddings": 40000}
+    assert args.additional_config["infinitehip"]["trained_context"] == TRAINED

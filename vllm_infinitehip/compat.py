@@ -167,12 +167,13 @@ def _extend_context(args: Any) -> None:
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else "nested"
     flag = f"--hf-overrides '{{\"max_position_embeddings\": {wanted}}}'"
-    if rope_type not in _CACHE_ONLY_ROPE_TYPES or callable(args.hf_overrides):
+    user_overrides = args.hf_overrides
+    if isinstance(user_overrides, dict) and "max_position_embeddings" in user_overrides:
+        return  # the user sized the rotary cache; vLLM's own length check still applies
+    if rope_type not in _CACHE_ONLY_ROPE_TYPES or callable(user_overrides):
         raise ValueError(
             f"--max-model-len {wanted} exceeds {args.model}'s trained length {trained}, and its "
             f"RoPE type {rope_type!r} (or a callable hf_overrides) is not one the infinitehip "
             f"plugin extends by itself. Add {flag} if a longer rotary cache is all it needs."
         )
-    overrides = dict(args.hf_overrides or {})
-    overrides.setdefault("max_position_embeddings", wanted)
-    args.hf_overrides = overrides
+    args.hf_overrides = {**(user_overrides or {}), "max_position_embeddings": wanted}
