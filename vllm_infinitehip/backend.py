@@ -206,9 +206,10 @@ class InfiniteHiPImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = None
         from vllm.config import get_current_vllm_config
 
-        self.config = InfiniteHiPConfig.from_vllm_config(get_current_vllm_config())
+        vllm_config = get_current_vllm_config()
+        self.config = InfiniteHiPConfig.from_vllm_config(vllm_config)
         self.stats = AttentionStats()
-        model_config = get_current_vllm_config().model_config
+        model_config = vllm_config.model_config
         trained = (
             self.config.trained_context
             or getattr(model_config.hf_text_config, "max_position_embeddings", None)
