@@ -169,14 +169,12 @@ def key_score_table(
     hkv = k.shape[1]
     group = hq // hkv
     kt = k[:num_keys].float().permute(1, 2, 0)  # [H_kv, D, T]
-    absent = torch.isnan(q_pooled[..., :1])  # [nb, hq, nq, 1]
-    qz = torch.nan_to_num(q_pooled, nan=0.0)
+    qz = _fill_absent_queries(q_pooled)
     table = q_pooled.new_empty(nb, hq, num_keys)
     for lo in range(0, nb, blocks_per_step):
         hi = min(nb, lo + blocks_per_step)
-        qg = qz[lo:hi].view(hi - lo, hkv, group * nq, d)
-        s = torch.matmul(qg, kt).view(hi - lo, hq, nq, num_keys)
-        table[lo:hi] = s.masked_fill(absent[lo:hi], NEG_INF).amax(dim=2)
+        qg = qz[lo:hi].reshape(hi - lo, hkv, group * nq, d)
+        table[lo:hi] = torch.matmul(qg, kt).view(hi - lo, hq, nq, num_keys).amax(dim=2)
     return table
 
 
@@ -216,9 +214,12 @@ def select_rep_scores(
         # whole-context table when there are few probes (same numbers either way).
         hkv = k.shape[1]
         head_kv = (torch.arange(hq, device=k.device) // (hq // hkv)).view(1, hq, 1)
-        kf = k.float()
+        # one flat row per (token, kv head): index_select is the fastest gather on every device
+        k_rows = k[:num_keys].float().reshape(num_keys * hkv, -1)
+        # absent pooled rows (NaN) copy the block's first row, so the max over queries is the
+        # max over present ones without masking the large score tensor
         sides = [
-            (torch.nan_to_num(qs, nan=0.0), torch.isnan(qs[..., 0]).unsqueeze(-1))
+            _fill_absent_queries(qs).transpose(-1, -2)
             for qs in (q_pooled, q_pooled if q_pooled_right is None else q_pooled_right)
         ]
         if chunk_rotation is not None:
@@ -227,13 +228,12 @@ def select_rep_scores(
             cos, sin = rope_cos_sin(delta.view(nb, 1, c), rope_table.to(k.device))
 
         def probe_score(pos: torch.Tensor, right: bool = False) -> torch.Tensor:
-            qz, absent = sides[int(right)]
-            idx = pos.clamp(0, num_keys - 1)
-            keys = kf[idx, head_kv.expand_as(idx)]
+            rows = pos.clamp(0, num_keys - 1) * hkv + head_kv
+            keys = k_rows.index_select(0, rows.reshape(-1)).view(*rows.shape, -1)
             if chunk_rotation is not None:
                 keys = apply_rotation(keys, cos, sin, rope_table)
-            s = torch.einsum("bhqd,bhcd->bhqc", qz, keys).masked_fill(absent, NEG_INF)
-            return s.amax(dim=2)
+            # [nb, hq, c, D] @ [nb, hq, D, n_q]: the max over queries runs along the last dim
+            return torch.matmul(keys, sides[int(right)]).amax(dim=-1)
     else:
         left_table = key_score_table(q_pooled, k, num_keys).view(-1)
         right_table = (
@@ -271,6 +271,14 @@ def select_rep_scores(
     best = torch.where(single, probe_score(left), best)
     best = best.masked_fill(~valid, NEG_INF)
     return best.amax(dim=1)  # head reduction
+
+
+def _fill_absent_queries(q_pooled: torch.Tensor) -> torch.Tensor:
+    """Pooled queries with each absent (NaN) row replaced by its block's first row (present)."""
+    absent = torch.isnan(q_pooled[..., :1])
+    if not bool(absent.any()):
+        return q_pooled
+    return torch.where(absent, q_pooled[:, :, :1], q_pooled)
 
 
 # --------------------------------------------------------------------------- the cascade
@@ -449,6 +457,24 @@ def dense_attention(
         return masked_attention(q, k, v, None, scale, is_causal=True)
     t = torch.arange(k.shape[0], device=q.device).view(1, -1)
     return masked_attention(q, k, v, t <= q_positions.long().view(-1, 1), scale)
+
+
+def attention_recall(
+    q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``[Nq, H_q]``: the share of each query head's dense causal softmax mass on ``mask``.
+
+    ``mask`` is ``[Nq, T]`` (the keys sparse attention attends, e.g. :func:`sparse_key_mask`).
+    Dense scores use the cached keys at their true positions, so this measures how much of
+    exact attention the selection keeps, not the remapped positions' effect.
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    kf = k.float().repeat_interleave(hq // hkv, dim=1)  # [T, Hq, D]
+    scores = torch.einsum("qhd,thd->qht", q.float() * scale, kf)
+    t = torch.arange(k.shape[0], device=q.device)
+    causal = t.view(1, 1, -1) <= q_positions.long().view(-1, 1, 1)
+    probs = scores.masked_fill(~causal, NEG_INF).softmax(dim=-1)
+    return (probs * mask.unsqueeze(1)).sum(-1)
 
 
 def sparse_attention(

@@ -143,3 +143,23 @@ def test_pool_queries_partial_block():
     assert pooled.shape == (2, 1, 2, 1)
     assert pooled[0, 0, :, 0].tolist() == [1.5, 5.5]
     assert pooled[1, 0, 0, 0].item() == 8.5 and torch.isnan(pooled[1, 0, 1, 0])
+
+
+def test_attention_recall_is_the_dense_mass_on_the_mask():
+    torch.manual_seed(0)
+    t, hq, hkv, d = 50, 4, 2, 16
+    q, k = torch.randn(3, hq, d), torch.randn(t, hkv, d)
+    pos = torch.tensor([20, 35, 49])
+    causal = torch.arange(t).view(1, -1) <= pos.view(-1, 1)
+    assert torch.allclose(ref.attention_recall(q, k, pos, causal, 0.25), torch.ones(3, hq))
+    mask = torch.zeros(3, t, dtype=torch.bool)
+    mask[:, [0, 7]] = True
+    got = ref.attention_recall(q, k, pos, mask, 0.25)
+    for i, p in enumerate(pos.tolist()):
+        for h in range(hq):
+            probs = (q[i, h] @ k[: p + 1, h // 2].T * 0.25).softmax(-1)
+            assert abs(got[i, h] - probs[[0, 7]].sum()) < 1e-5
+    # keys past a query's position carry no mass even when masked in
+    late = torch.zeros(3, t, dtype=torch.bool)
+    late[:, 45:] = True
+    assert got.new_zeros(hq).allclose(ref.attention_recall(q, k, pos, late, 0.25)[0])
