@@ -1,12 +1,19 @@
 """Passkey retrieval by context length and depth, through vLLM: infinitehip vs the default backend.
 
-    python benchmarks/passkey.py --lengths 4096 8192 16384 --depths 0.1 0.5 0.9 --n 2
+    python benchmarks/passkey.py --lengths 8192 16384 32768 65536 --depths 0.1 0.3 0.5 0.7 0.9 --n 2
 
 For each backend, one engine serves every prompt (``--max-model-len`` = the longest prompt + 512;
 the default backend gets the same rotary cache through ``hf_overrides``, and is expected to fail
-past the trained length). Writes ``benchmarks/results/passkey-<cpu|gpu>-<date>.json`` with rows
-``{model, trained_context, context, depth, backend, accuracy, n}``, a PNG heatmap per backend
-(length x depth) beside it, and prints a table.
+past the trained length). Writes, under ``--out``:
+
+- ``passkey-<cpu|gpu>-<date>.json``: rows ``{model, trained_context, context, depth, backend,
+  accuracy, n}``, a PNG heatmap per backend (length x depth) beside it, and a printed table;
+- ``recall-<cpu|gpu>-<date>.json``: attention-mass recall of the final prompt query on the real
+  model's Q/K, rows ``{model, trained_context, context, depth, layer, recall, recall_min_head}``
+  (share of the dense softmax mass on the keys infinitehip attended; mean over heads, and the
+  worst head), and a per-layer plot.
+
+Results are rewritten after every prompt, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -24,27 +33,105 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 MODELS = {"smollm2-135m": ("vllm_infinitehip.offline_models", "smollm2_135m")}
 
 
-def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip: dict):
-    from tqdm import tqdm
-    from vllm import LLM, SamplingParams
-
-    kw: dict = dict(max_model_len=max_len, max_num_seqs=4, max_num_batched_tokens=8192)
+def engine_kwargs(backend: str, max_len: int, device: str, hip: dict) -> dict:
+    kw: dict = dict(max_model_len=max_len, max_num_seqs=1, max_num_batched_tokens=8192)
     if device == "cpu":
         kw.update(dtype="float32", enforce_eager=True, compilation_config={"mode": 0},
                   kv_cache_memory_bytes=4 << 30)
+    else:
+        # bf16: vLLM's default GPU backend (FlashAttention) has no fp32 kernels.
+        kw.update(dtype="bfloat16", gpu_memory_utilization=0.6, max_num_batched_tokens=16384)
     if backend == "infinitehip":
         kw.update(attention_backend="infinitehip", additional_config={"infinitehip": hip})
     else:
         kw.update(hf_overrides={"max_position_embeddings": max_len})
-    llm = LLM(model, **kw)
+    return kw
+
+
+class Results:
+    """Rows of both result files, rewritten on every update."""
+
+    def __init__(self, out: Path, device: str, gpu: str, model: str, trained: int) -> None:
+        self.date = datetime.date.today().isoformat()
+        self.paths = {n: out / f"{n}-{device}-{self.date}.json" for n in ("passkey", "recall")}
+        self.gpu, self.model, self.trained = gpu, model, trained
+        self.hits: dict[tuple[str, int, float], list[bool]] = {}
+        self.recall: list[dict] = []
+        out.mkdir(parents=True, exist_ok=True)
+
+    def add(self, backend: str, context: int, depth: float, correct: bool, recall: list[dict]):
+        self.hits.setdefault((backend, context, depth), []).append(correct)
+        base = {"model": self.model, "trained_context": self.trained, "context": context,
+                "depth": depth}
+        self.recall.extend({**base, **{k: r[k] for k in ("layer", "recall", "recall_min_head")}}
+                           for r in recall)
+        self.write()
+
+    def passkey_rows(self) -> list[dict]:
+        return [{"model": self.model, "trained_context": self.trained, "context": n, "depth": d,
+                 "backend": b, "accuracy": sum(h) / len(h), "n": len(h)}
+                for (b, n, d), h in sorted(self.hits.items())]
+
+    def write(self) -> None:
+        command = "python " + " ".join(sys.argv)
+        for name, rows in (("passkey", self.passkey_rows()), ("recall", self.recall)):
+            if rows:
+                result = {"name": name, "date": self.date, "gpu": self.gpu, "command": command,
+                          "rows": rows}
+                self.paths[name].write_text(json.dumps(result, indent=2))
+
+
+def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip: dict,
+                results: Results, deadline: float) -> None:
+    from tqdm import tqdm
+    from vllm import LLM, SamplingParams
+
+    from vllm_infinitehip.metrics import collect_recall
+
+    llm = LLM(model, **engine_kwargs(backend, max_len, device, hip))
+    name = "infinitehip" if backend == "infinitehip" else "default"
     params = SamplingParams(temperature=0, max_tokens=8)
-    results = []
-    for prompt in tqdm(cells, desc=backend, unit="prompt"):
+    for context, depth, prompt in tqdm(cells, desc=name, unit="prompt"):
+        if time.monotonic() > deadline:
+            print(f"time budget spent: {name} stops before {context}/{depth}")
+            break
+        if name == "infinitehip":
+            llm.collective_rpc(collect_recall)  # on, and forget earlier prompts
         out = llm.generate([prompt.text], params, use_tqdm=False)
-        results.append(prompt.is_correct(out[0].outputs[0].text))
+        recall = []
+        if name == "infinitehip":
+            # the prompt's final query, in its last prefill chunk
+            recall = [r for r in llm.collective_rpc(collect_recall, kwargs={"enable": False})[0]
+                      if r["seq_len"] == prompt.num_tokens]
+        results.add(name, context, depth, prompt.is_correct(out[0].outputs[0].text), recall)
     del llm
     gc.collect()
-    return results
+
+
+def print_tables(results: Results, lengths: list[int], depths: list[float]) -> None:
+    rows = results.passkey_rows()
+    print(f"\n{'backend':<12} {'context':>8} " + " ".join(f"d={d:<4}" for d in depths) + "  mean")
+    for backend in sorted({r["backend"] for r in rows}):
+        for n in lengths:
+            accs = {r["depth"]: r["accuracy"] for r in rows
+                    if r["backend"] == backend and r["context"] == n}
+            if accs:
+                cells = " ".join(f"{accs[d]:>6.2f}" if d in accs else "     -" for d in depths)
+                print(f"{backend:<12} {n:>8} {cells}  {sum(accs.values()) / len(accs):.2f}")
+    if results.recall:
+        print(f"\n{'context':>8} {'mean recall':>12} {'worst layer':>12} {'worst head':>11}")
+        for n in lengths:
+            rs = [r for r in results.recall if r["context"] == n]
+            if not rs:
+                continue
+            by_layer: dict[int, list[float]] = {}
+            for r in rs:
+                by_layer.setdefault(r["layer"], []).append(r["recall"])
+            layer_means = {k: sum(v) / len(v) for k, v in by_layer.items()}
+            worst = min(layer_means, key=layer_means.get)
+            mean = sum(layer_means.values()) / len(layer_means)
+            print(f"{n:>8} {mean:>12.3f} {f'L{worst} {layer_means[worst]:.3f}':>12} "
+                  f"{min(r['recall_min_head'] for r in rs):>11.3f}")
 
 
 def main() -> int:
@@ -56,9 +143,10 @@ def main() -> int:
     parser.add_argument("--backends", nargs="+", default=["infinitehip", "default"])
     parser.add_argument("--infinitehip", default="{}", help="JSON for additional_config")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--time-budget", type=float, default=float("inf"),
+                        help="seconds; prompts not started by then are skipped")
     args = parser.parse_args()
-
-    import importlib
+    deadline = time.monotonic() + args.time_budget
 
     import torch
     from transformers import AutoConfig, AutoTokenizer
@@ -69,42 +157,24 @@ def main() -> int:
     model = str(getattr(importlib.import_module(module), fn)())
     trained = AutoConfig.from_pretrained(model).max_position_embeddings
     tok = AutoTokenizer.from_pretrained(model)
-    cells = [
-        (n, d, make_passkey_prompt(tok, n, d, seed=1000 * i + j))
-        for n in args.lengths
-        for d in args.depths
-        for i, j in [(k, int(d * 100)) for k in range(args.n)]
-    ]
+    # shortest contexts first, so a time budget cuts the longest
+    cells = [(n, d, make_passkey_prompt(tok, n, d, seed=1000 * i + int(d * 100) + n))
+             for n in sorted(args.lengths) for d in args.depths for i in range(args.n)]
     max_len = max(c[2].num_tokens for c in cells) + 512
     device = "gpu" if torch.cuda.is_available() else "cpu"
-    hip = json.loads(args.infinitehip)
-    rows = []
+    gpu = torch.cuda.get_device_name() if device == "gpu" else "cpu"
+    results = Results(Path(args.out), device, gpu, args.model, trained)
     for backend in args.backends:
-        ok = run_backend(model, backend, [c[2] for c in cells], max_len, device, hip)
-        name = backend if backend == "infinitehip" else "default"
-        for n in args.lengths:
-            for d in args.depths:
-                hits = [o for (cn, cd, _), o in zip(cells, ok) if cn == n and cd == d]
-                rows.append({"model": args.model, "trained_context": trained, "context": n,
-                             "depth": d, "backend": name, "accuracy": sum(hits) / len(hits),
-                             "n": len(hits)})
-    date = datetime.date.today().isoformat()
-    result = {"name": "passkey", "date": date,
-              "gpu": torch.cuda.get_device_name() if device == "gpu" else "cpu",
-              "command": "python " + " ".join(sys.argv), "rows": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"passkey-{device}-{date}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"{'backend':<12} {'context':>8} " + " ".join(f"d={d:<4}" for d in args.depths))
-    for backend in sorted({r["backend"] for r in rows}):
-        for n in args.lengths:
-            accs = [r["accuracy"] for r in rows if r["backend"] == backend and r["context"] == n]
-            print(f"{backend:<12} {n:>8} " + " ".join(f"{a:>6.2f}" for a in accs))
-    from plot import plot_passkey  # benchmarks/plot.py, beside this file
+        run_backend(model, backend, cells, max_len, device, json.loads(args.infinitehip),
+                    results, deadline)
+    print_tables(results, sorted(args.lengths), args.depths)
+    from plot import plot_passkey, plot_recall  # benchmarks/plot.py, beside this file
 
-    plot_passkey(result, path.with_suffix(".png"))
-    print(f"wrote {path}")
+    for name, plot in (("passkey", plot_passkey), ("recall", plot_recall)):
+        if results.paths[name].exists():
+            result = json.loads(results.paths[name].read_text())
+            plot(result, results.paths[name].with_suffix(".png"))
+            print(f"wrote {results.paths[name]} and its .png")
     return 0
 
 

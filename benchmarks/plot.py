@@ -64,9 +64,34 @@ def plot_passkey(result: dict, out: Path) -> None:
     fig.savefig(out, dpi=110, bbox_inches="tight")
 
 
+def plot_recall(result: dict, out: Path) -> None:
+    """Attention-mass recall by layer, one line per context length (mean over prompts)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for n in sorted({r["context"] for r in rows}):
+        by_layer: dict[int, list[float]] = {}
+        for r in rows:
+            if r["context"] == n:
+                by_layer.setdefault(r["layer"], []).append(r["recall"])
+        layers = sorted(by_layer)
+        ax.plot(layers, [sum(by_layer[k]) / len(by_layer[k]) for k in layers], marker="o",
+                markersize=3, label=f"{n // 1024}K")
+    ax.set(xlabel="layer", ylabel="attention-mass recall", ylim=(0, 1.02),
+           title=f"{rows[0]['model']} final prompt query, {result['gpu']}, {result['date']}")
+    ax.axhline(0.95, color="grey", linestyle=":", linewidth=1)
+    ax.legend(title="context")
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+
+
 if __name__ == "__main__":
     path = Path(sys.argv[1])
     result = json.loads(path.read_text())
     out = path.with_suffix(".png")
-    {"attention": plot_attention, "passkey": plot_passkey}[result["name"]](result, out)
+    plots = {"attention": plot_attention, "passkey": plot_passkey, "recall": plot_recall}
+    plots[result["name"]](result, out)
     print(f"wrote {out}")

@@ -69,6 +69,7 @@ def test_every_field_overridable_and_json_string():
         ({"stages": [{"chunk_size": 8}]}, "infinitehip.stages[0].keep_tokens"),
         ({"stages": [{"chunk_size": 8, "keep_tokens": 64, "size": 1}]}, "infinitehip.stages[0].size"),
         ({"dense_layers": [-1]}, "infinitehip.dense_layers[0]"),
+        ({"prefill_final_query_own_mask": 1}, "infinitehip.prefill_final_query_own_mask"),
         ("{not json", "not valid JSON"),
     ],
 )
@@ -76,3 +77,12 @@ def test_bad_config_names_the_field(raw, field):
     with pytest.raises(InfiniteHiPConfigError) as e:
         InfiniteHiPConfig.from_user(raw)
     assert field in str(e.value)
+
+
+def test_tail_window_leaves_each_layer_its_budget_inside_the_trained_length():
+    c = InfiniteHiPConfig.from_user({})  # sink 256, final 2048, dense layers 0-3 keep 4096, b_q 64
+    assert c.tail_window(8192, layer_index=10) == 8192 - 256 - 2048 - 64
+    assert c.tail_window(8192, layer_index=0) == 8192 - 256 - 4096 - 64
+    assert c.tail_window(4096, layer_index=0) == c.window_tokens  # never below the window
+    assert InfiniteHiPConfig.from_user({"prefill_tail_window": None}).tail_window(8192) is None
+    assert InfiniteHiPConfig.from_user({"prefill_tail_window": 3000}).tail_window(8192) == 3000

@@ -216,7 +216,6 @@ class InfiniteHiPImpl(AttentionImpl):
             or model_config.max_model_len
         )
         self.trained_context = trained
-        self.tail_window = self.config.tail_window(trained)
         self.rope_extension = self.config.extends_rope(model_config.max_model_len, trained)
         self._rope_table = None
         if self.rope_extension:
@@ -227,6 +226,8 @@ class InfiniteHiPImpl(AttentionImpl):
             self._rope_table = RopeTable.from_vllm(
                 head_size, model_config.hf_text_config, dtype=model_config.dtype
             )
+        # metrics.collect_recall sets a list here: the final prefill query's recall goes to it
+        self.recall_log: list[dict] | None = None
         self._params: ref.PruneParams | None = None
         self._tail_params: ref.PruneParams | None = None
         self._layer_name: str | None = None
@@ -253,8 +254,9 @@ class InfiniteHiPImpl(AttentionImpl):
                 probe=self.config.probe,
                 rope=self._rope_plan(layer_index),
             )
-            if self.tail_window is not None:
-                self._tail_params = dataclasses.replace(self._params, window_tokens=self.tail_window)
+            tail_window = self.config.tail_window(self.trained_context, layer_index)
+            if tail_window is not None:
+                self._tail_params = dataclasses.replace(self._params, window_tokens=tail_window)
         return self._params
 
     def _rope_plan(self, layer_index: int) -> ref.RopePlan | None:
@@ -271,21 +273,41 @@ class InfiniteHiPImpl(AttentionImpl):
         self, ops: ReferenceOps, params: ref.PruneParams, req: RequestKV, q: torch.Tensor,
         positions: torch.Tensor,
     ) -> tuple[torch.Tensor, int]:
-        """Sparse attention for a prefill chunk; its last query block uses the tail window."""
+        """Sparse attention for a prefill chunk: its last query block uses the tail window, and
+        its final query (the next token's) may be pruned alone (``prefill_final_query_own_mask``)."""
+        n = q.shape[0]
+        tail_params = self._tail_params or params
         tail = params.block_size_q if self._tail_params is not None else 0
-        parts = []
-        if tail and q.shape[0] > tail:
-            parts.append((params, slice(0, q.shape[0] - tail)))
-            parts.append((self._tail_params, slice(q.shape[0] - tail, q.shape[0])))
-        else:
-            parts.append((self._tail_params if tail else params, slice(0, q.shape[0])))
+        last = n - 1 if self.config.prefill_final_query_own_mask else n
+        body_end = max(0, min(n - tail, last))
+        bounds = [(params, 0, body_end), (tail_params, body_end, last), (tail_params, last, n)]
+        parts = [(p, slice(lo, hi)) for p, lo, hi in bounds if hi > lo]
         outs, attended = [], 0
         for p, sl in parts:
             prune = ops.prune(p, req, q[sl], positions[sl], self.scale)
             o, n = ops.attend(p, req, q[sl], positions[sl], self.scale, prune)
             outs.append(o)
             attended += n
+        if self.recall_log is not None:
+            self._log_recall(p, req, q[-1:], positions[-1:], prune)
         return torch.cat(outs) if len(outs) > 1 else outs[0], attended
+
+    def _log_recall(
+        self, params: ref.PruneParams, req: RequestKV, q: torch.Tensor, positions: torch.Tensor,
+        prune: ref.PruneResult,
+    ) -> None:
+        """Dense softmax mass on the keys the final query attended (exact, reference math)."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        k, _ = ref.gather_paged_kv(req.kv_cache, req.block_table_row, req.seq_len)
+        mask = ref.sparse_key_mask(
+            params, req.seq_len, positions, prune.block_starts[-1:], prune.block_valid[-1:]
+        )
+        recall = ref.attention_recall(q, k, positions, mask, self.scale)[0]
+        self.recall_log.append({
+            "layer": extract_layer_index(self._layer_name), "seq_len": req.seq_len,
+            "recall": float(recall.mean()), "recall_min_head": float(recall.min()),
+        })  # fmt: skip
 
     def do_kv_cache_update(
         self,

@@ -86,7 +86,12 @@ class InfiniteHiPConfig:
     - ``trained_context``: the model's trained length; filled in from the model's config.
     - ``prefill_tail_window``: the last ``block_size_q`` queries of every prefill chunk (the ones
       that produce the first output token) attend with this larger window. ``"auto"`` (the
-      authors' code): trained length - sink - final budget - block_size_q; ``null``: off.
+      authors' code): trained length - sink - the layer's final budget - block_size_q, so sink,
+      selected and window together span the trained length; ``null``: off.
+    - ``prefill_final_query_own_mask``: the last query of every prefill chunk is pruned on its own,
+      as a decode query is (b_q = 1), instead of sharing its block's mask. That query produces
+      the first output token; a block's mask is the max over its 64 queries, and on a prompt
+      that ends in a question the other 63 (filler) queries choose the blocks.
     - ``block_size_k``: granularity of selected blocks in block-sparse attention (= last chunk).
     """
 
@@ -100,6 +105,7 @@ class InfiniteHiPConfig:
     dense_threshold: int | None = None
     probe: str = "midpoint"
     prefill_tail_window: int | str | None = "auto"
+    prefill_final_query_own_mask: bool = True
     rope_extension: bool | str = "auto"
     rope_pruning: str = "paper"
     rope_bsa: str = "streaming"
@@ -129,12 +135,13 @@ class InfiniteHiPConfig:
             return "chunk-indexed" if layer_index in self.dense_layers else "relative"
         return self.rope_pruning
 
-    def tail_window(self, trained_context: int) -> int | None:
-        """Window of a prefill chunk's last query block, or None when the tail is not special."""
+    def tail_window(self, trained_context: int, layer_index: int = -1) -> int | None:
+        """Window of a prefill chunk's last query block in a layer (its budget counts), or None
+        when the tail is not special."""
         if self.prefill_tail_window is None:
             return None
         if self.prefill_tail_window == "auto":
-            auto = trained_context - self.sink_tokens - self.final_keep_tokens
+            auto = trained_context - self.sink_tokens - self.final_keep_for_layer(layer_index)
             return max(self.window_tokens, auto - self.stages[0].block_size_q)
         return max(self.window_tokens, int(self.prefill_tail_window))
 
@@ -161,6 +168,7 @@ class InfiniteHiPConfig:
             f"dense_threshold={self.effective_dense_threshold} probe={self.probe} "
             f"dense_layers={list(self.dense_layers)}->k={self.dense_layer_keep_tokens} "
             f"prefill_tail_window={self.prefill_tail_window} "
+            f"prefill_final_query_own_mask={self.prefill_final_query_own_mask} "
             f"rope_extension={self.rope_extension} trained_context={self.trained_context}"
         )
 
@@ -238,6 +246,13 @@ class InfiniteHiPConfig:
             if v is not None and v != "auto":
                 v = _int(v, "infinitehip.prefill_tail_window", minimum=0)
             kwargs["prefill_tail_window"] = v
+        if "prefill_final_query_own_mask" in values:
+            v = values["prefill_final_query_own_mask"]
+            if not isinstance(v, bool):
+                raise InfiniteHiPConfigError(
+                    f"`infinitehip.prefill_final_query_own_mask`={v!r} must be true or false"
+                )
+            kwargs["prefill_final_query_own_mask"] = v
         if "dense_layers" in values:
             kwargs["dense_layers"] = tuple(
                 _int(v, f"infinitehip.dense_layers[{i}]", minimum=0)

@@ -49,22 +49,41 @@ class AttentionStats:
         return {**asdict(self), "sparsity": self.sparsity}
 
 
+def _impls(worker: Any) -> list:
+    from vllm_infinitehip.backend import InfiniteHiPImpl
+
+    context = worker.model_runner.compilation_config.static_forward_context
+    return [
+        m.impl for m in context.values() if isinstance(getattr(m, "impl", None), InfiniteHiPImpl)
+    ]
+
+
+def collect_recall(worker: Any, enable: bool = True) -> list[dict[str, Any]]:
+    """Attention-mass recall of each sparse prefill's final query, per layer, since last call.
+
+    ``llm.collective_rpc(collect_recall)`` turns logging on (``enable=False`` turns it off) and
+    returns what was logged: ``{"layer", "seq_len", "recall", "recall_min_head"}`` per layer and
+    prefill chunk. Recall is the share of the dense softmax mass (true positions) that falls on
+    the keys the query attended; it costs one dense score row per layer, so leave it off when
+    serving.
+    """
+    records: list[dict[str, Any]] = []
+    for impl in _impls(worker):
+        records.extend(impl.recall_log or [])
+        impl.recall_log = [] if enable else None
+    return sorted(records, key=lambda r: (r["seq_len"], r["layer"]))
+
+
 def collect_stats(worker: Any, reset: bool = False) -> dict[str, Any]:
     """Sum the counters of every InfiniteHiP layer in a worker.
 
     Use through vLLM's own RPC: ``llm.collective_rpc(collect_stats)``. Returns a dict with the
     summed counters and ``layers``, the number of layers that contributed.
     """
-    from vllm_infinitehip.backend import InfiniteHiPImpl
-
     total = AttentionStats()
-    layers = 0
-    context = worker.model_runner.compilation_config.static_forward_context
-    for module in context.values():
-        impl = getattr(module, "impl", None)
-        if isinstance(impl, InfiniteHiPImpl):
-            total.merge(impl.stats)
-            layers += 1
-            if reset:
-                impl.stats.reset()
-    return {**total.to_dict(), "layers": layers}
+    impls = _impls(worker)
+    for impl in impls:
+        total.merge(impl.stats)
+        if reset:
+            impl.stats.reset()
+    return {**total.to_dict(), "layers": len(impls)}
