@@ -66,11 +66,13 @@ class ReferenceOps:
 
 
 class TritonOps(ReferenceOps):
-    """Triton kernels over the paged cache: the GPU path. Dense stays on SDPA (short sequences)."""
+    """Triton kernels over the paged cache: the GPU path. Dense stays on SDPA (short sequences).
+
+    RoPE remapping (§2) runs in the kernels too: relative and chunk-indexed pruning, and
+    streaming BSA, for any pairing layout and partial rotary.
+    """
 
     def prune(self, params, req, q, positions, scale, start_stage=0, start_input=None):
-        if params.rope is not None:  # RoPE remapping runs in the reference for now
-            return super().prune(params, req, q, positions, scale, start_stage, start_input)
         from vllm_infinitehip.kernels.triton_prune import run_stages_paged
 
         return run_stages_paged(
@@ -81,10 +83,9 @@ class TritonOps(ReferenceOps):
     def attend(self, params, req, q, positions, scale, prune):
         """As the reference; the pair count is the budget (sink, window, selected blocks), an
         upper bound, since counting exactly would need the whole key mask."""
-        if params.rope is not None:  # RoPE remapping runs in the reference for now
-            return super().attend(params, req, q, positions, scale, prune)
         from vllm_infinitehip.kernels import triton_bsa
 
+        streaming = params.rope is not None and params.rope.bsa == "streaming"
         starts = prune.block_starts.to(torch.int32)
         n_valid = prune.block_valid.sum(dim=1, dtype=torch.int32)
         common = dict(
@@ -92,6 +93,7 @@ class TritonOps(ReferenceOps):
             sink_tokens=params.sink_tokens,
             window_tokens=params.window_tokens,
             scale=scale,
+            rope=params.rope.table if streaming else None,
         )
         if q.shape[0] == 1:
             seq_lens = torch.full((1,), req.seq_len, dtype=torch.int32, device=q.device)
@@ -104,8 +106,11 @@ class TritonOps(ReferenceOps):
                 q, req.kv_cache, req.block_table_row, req.seq_len, starts, prune.block_valid,
                 block_size_q=params.block_size_q, **common,
             )  # fmt: skip
-        per_query = torch.clamp(positions + 1, max=params.sink_tokens + params.window_tokens)
         blk = ref.query_block_ids(q.shape[0], params.block_size_q).to(q.device)
+        budget = params.sink_tokens + params.window_tokens
+        if streaming:  # a query sees its whole block's window, from the block's first query
+            budget = budget + (positions - positions[blk * params.block_size_q])
+        per_query = torch.clamp(positions + 1, max=budget)
         selected = (n_valid.long() * params.block_size_k)[blk]
         return out, int((per_query + selected).sum())
 

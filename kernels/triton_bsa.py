@@ -16,6 +16,13 @@ outside the sink, outside the query's window, and past the end of the previous s
 starts are ascending, so that end is the furthest any earlier block reached). Window keys count only
 outside the sink. Everything is in the exp2 domain with fp32 accumulation.
 
+With ``rope`` both entry points instead restate ``reference._streaming_attention`` (§2,
+StreamingLLM-style positions). The key set is that function's: the window
+``(p_min - n_stream, p]`` of the query block at true positions, and before it the sink tokens
+and then the selected tokens, not deduplicated. Those far keys are rotated in-kernel from their
+true positions to contiguous positions just left of the window, with cos/sin from the
+float64-built tables of :mod:`kernels.triton_rope`.
+
 KV cache layout: ``[num_pages, 2, page_size, H_kv, D]`` (0 = K, 1 = V), any strides.
 """
 
@@ -26,6 +33,16 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from .rope import RopeTable
+from .triton_rope import (
+    LO_BITS,
+    check_layout,
+    delta_cos_sin,
+    delta_tables,
+    rope_pair_layout,
+    rotate_pairs,
+)
 
 __all__ = ["sparse_decode_attention", "sparse_prefill_attention"]
 
@@ -66,6 +83,52 @@ def _load_kv(
     k = tl.load(ptrs, mask=mask, other=0.0)
     v = tl.load(ptrs + stride_kv, mask=mask, other=0.0)
     return k, v
+
+
+@triton.jit
+def _rotate_keys(
+    k,
+    kv_ptr,
+    bt_row_ptr,
+    stride_btp,
+    t,
+    ok,
+    kv_head,
+    d_ok,
+    delta,
+    partner,
+    freq,
+    sign,
+    rot,
+    rope_hi_ptr,
+    rope_lo_ptr,
+    rope_bias,
+    rope_n_hi,
+    stride_page,
+    stride_tok,
+    stride_head,
+    stride_d,
+    PAGE_SIZE: tl.constexpr,
+    HALF: tl.constexpr,
+    LO_BITS: tl.constexpr,
+):
+    """Keys ``k`` (as loaded by :func:`_load_kv`) rotated by ``delta`` each, in k's dtype.
+
+    The pair partners are a second load of the same rows. The result is rounded back to the
+    cache dtype, as the reference rotates a key in float32 and returns the cache's dtype.
+    """
+    t = tl.where(ok, t, 0)
+    page = tl.load(bt_row_ptr + (t // PAGE_SIZE) * stride_btp, mask=ok, other=0).to(tl.int64)
+    row = page * stride_page + (t % PAGE_SIZE).to(tl.int64) * stride_tok + kv_head * stride_head
+    k_pair = tl.load(
+        kv_ptr + row[:, None] + partner[None, :] * stride_d,
+        mask=ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    cos, sin = delta_cos_sin(
+        delta, ok, freq, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, HALF, LO_BITS
+    )
+    return rotate_pairs(k, k_pair, cos, sin, sign).to(k.dtype)
 
 
 @triton.jit
@@ -111,6 +174,8 @@ def _decode_split_kernel(
     nvalid_ptr,
     part_o_ptr,
     part_lse_ptr,
+    rope_hi_ptr,
+    rope_lo_ptr,
     stride_qb,
     stride_qh,
     stride_qd,
@@ -128,6 +193,8 @@ def _decode_split_kernel(
     qk_scale,
     cap_log2e,
     inv_cap_scale,
+    rope_bias,
+    rope_n_hi,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -139,6 +206,10 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    STREAMING: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    LO_BITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -148,8 +219,14 @@ def _decode_split_kernel(
     pos = seq_len - 1
     # Virtual key sequence: [0, sink_len) sink, then window positions [win_lo, pos], then the
     # selected blocks. win_lo >= sink_len, so sink and window never overlap.
-    sink_len = tl.minimum(sink_tokens, seq_len)
-    win_lo = tl.maximum(sink_len, pos - window_tokens + 1)
+    if STREAMING:
+        # As reference._streaming_attention: the window (p - n_stream, p] may reach into the
+        # sink, whose tokens there are window keys (true positions), not sink keys.
+        win_lo = tl.maximum(pos - window_tokens + 1, 0)
+        sink_len = tl.minimum(tl.minimum(sink_tokens, seq_len), win_lo)
+    else:
+        sink_len = tl.minimum(sink_tokens, seq_len)
+        win_lo = tl.maximum(sink_len, pos - window_tokens + 1)
     n_sw = sink_len + tl.maximum(seq_len - win_lo, 0)
     n_valid = tl.load(nvalid_ptr + b).to(tl.int32)
     total = n_sw + n_valid * BLOCK_K
@@ -171,6 +248,12 @@ def _decode_split_kernel(
     )
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     starts_row = starts_ptr + b.to(tl.int64) * stride_sb
+    if STREAMING:
+        partner, freq, sign, rot = rope_pair_layout(offs_d, ROT_DIM, IS_NEOX)
+        # Streaming position of far-key slot j (sink tokens, then selected tokens):
+        # max(0, j + first), so the last slot lands at p - n_stream (rope.streaming_positions).
+        first = pos - window_tokens - sink_tokens - n_valid * BLOCK_K + 1
+        sel_slot0 = tl.minimum(sink_tokens, seq_len)  # slots of the sink tokens that exist
 
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     # Finite so that a row that has seen only masked keys keeps exp2(m_old - m_new) = 1, not NaN.
@@ -188,14 +271,31 @@ def _decode_split_kernel(
         prev = tl.load(starts_row + (blk - 1) * stride_sk, mask=sel & (blk > 0), other=0)
         prev_end = tl.where(blk > 0, prev.to(tl.int32) + BLOCK_K, 0)
         t_sel = start + vs % BLOCK_K
-        # t_sel < win_lo also keeps it causal and out of the sink-covered prefix.
-        sel_ok = sel & (t_sel >= sink_tokens) & (t_sel < win_lo) & (t_sel >= prev_end)
+        if STREAMING:
+            # The reference's far list is not deduplicated: a selected token inside the sink, or
+            # in two overlapping blocks, is attended once per occurrence, each at its own slot.
+            # Only tokens inside the window are dropped (they are window keys).
+            sel_ok = sel & (t_sel >= 0) & (t_sel < win_lo)
+        else:
+            # t_sel < win_lo also keeps it causal and out of the sink-covered prefix.
+            sel_ok = sel & (t_sel >= sink_tokens) & (t_sel < win_lo) & (t_sel >= prev_end)
         t = tl.where(in_sw, t_sw, t_sel)
         ok = tl.where(in_sw, live, sel_ok)
         k, v = _load_kv(
             kv_ptr, bt_row, stride_btp, t, ok, kv_head, offs_d, d_ok,
             stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
         )  # fmt: skip
+        if STREAMING:
+            far = ok & ((vi < sink_len) | ~in_sw)
+            if tl.max(far.to(tl.int32), axis=0) > 0:  # window-only tiles keep true positions
+                slot = tl.where(in_sw, vi, sel_slot0 + vs)
+                delta = tl.where(far, tl.maximum(slot + first, 0) - t, 0)
+                k = _rotate_keys(
+                    k, kv_ptr, bt_row, stride_btp, t, far, kv_head, d_ok, delta,
+                    partner, freq, sign, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
+                    stride_page, stride_tok, stride_head, stride_d, PAGE_SIZE, ROT_DIM // 2,
+                    LO_BITS,
+                )  # fmt: skip
         acc, m_i, l_i = _attend(
             q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
             USE_SOFT_CAP, DOT_PRECISION,
@@ -257,6 +357,120 @@ def _decode_merge_kernel(
 
 # --------------------------------------------------------------------------- prefill
 @triton.jit
+def _prefill_streaming(
+    q,
+    acc,
+    m_i,
+    l_i,
+    kv_ptr,
+    bt_ptr,
+    starts_row,
+    n_sel,
+    pos,
+    p_min,
+    p_max,
+    seq_len,
+    kv_head,
+    offs_d,
+    d_ok,
+    rope_hi_ptr,
+    rope_lo_ptr,
+    rope_bias,
+    rope_n_hi,
+    stride_page,
+    stride_kv,
+    stride_tok,
+    stride_head,
+    stride_d,
+    stride_btp,
+    stride_sk,
+    sink_tokens,
+    window_tokens,
+    qk_scale,
+    cap_log2e,
+    inv_cap_scale,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    LO_BITS: tl.constexpr,
+):
+    """One query block over the key set of ``reference._streaming_attention`` (§2 StreamingLLM).
+
+    The block's window is ``[win_lo, p_max]`` with ``win_lo = max(0, p_min - n_stream + 1)``,
+    causal per query, at true positions (the query keeps its own too). The far keys are the
+    sink tokens, then the selected blocks' tokens, in that order and not deduplicated. Each is
+    rotated to ``max(0, slot + first)`` with ``first = p_min - n_stream - n_sink - K_sel + 1``
+    and seen by every query of the block. Far tokens at or past ``win_lo`` are dropped, but
+    they keep their slot.
+    """
+    partner, freq, sign, rot = rope_pair_layout(offs_d, ROT_DIM, IS_NEOX)
+    win_lo = tl.maximum(p_min - window_tokens + 1, 0)
+    first = p_min - window_tokens - sink_tokens - n_sel + 1
+    sel_slot0 = tl.minimum(sink_tokens, seq_len)
+
+    # 1. Selected blocks, before the window. They are causal for the whole block.
+    for v0 in range(0, n_sel, BLOCK_N):
+        vi = v0 + tl.arange(0, BLOCK_N)
+        live = vi < n_sel
+        start = tl.load(starts_row + (vi // BLOCK_K) * stride_sk, mask=live, other=0)
+        t = start.to(tl.int32) + vi % BLOCK_K
+        ok = live & (t >= 0) & (t < win_lo)
+        k, v = _load_kv(
+            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
+            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+        )  # fmt: skip
+        delta = tl.maximum(sel_slot0 + vi + first, 0) - t
+        k = _rotate_keys(
+            k, kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, d_ok, delta,
+            partner, freq, sign, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
+            stride_page, stride_tok, stride_head, stride_d, PAGE_SIZE, ROT_DIM // 2, LO_BITS,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend(
+            q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
+            USE_SOFT_CAP, DOT_PRECISION,
+        )  # fmt: skip
+
+    # 2. Sink tokens before the window, at slots 0, 1, ...
+    sink_hi = tl.minimum(tl.minimum(sink_tokens, seq_len), win_lo)
+    for t0 in range(0, sink_hi, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        ok = t < sink_hi
+        k, v = _load_kv(
+            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
+            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+        )  # fmt: skip
+        delta = tl.maximum(t + first, 0) - t
+        k = _rotate_keys(
+            k, kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, d_ok, delta,
+            partner, freq, sign, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
+            stride_page, stride_tok, stride_head, stride_d, PAGE_SIZE, ROT_DIM // 2, LO_BITS,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend(
+            q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
+            USE_SOFT_CAP, DOT_PRECISION,
+        )  # fmt: skip
+
+    # 3. The block's window at true positions, causal per query.
+    for t0 in range(win_lo, p_max + 1, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        ok = t <= p_max
+        k, v = _load_kv(
+            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
+            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+        )  # fmt: skip
+        valid = ok[None, :] & (t[None, :] <= pos[:, None])
+        acc, m_i, l_i = _attend(
+            q, k, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
+            USE_SOFT_CAP, DOT_PRECISION,
+        )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     kv_ptr,
@@ -264,6 +478,8 @@ def _prefill_kernel(
     starts_ptr,
     nvalid_ptr,
     out_ptr,
+    rope_hi_ptr,
+    rope_lo_ptr,
     stride_qn,
     stride_qh,
     stride_qd,
@@ -285,6 +501,8 @@ def _prefill_kernel(
     qk_scale,
     cap_log2e,
     inv_cap_scale,
+    rope_bias,
+    rope_n_hi,
     GROUP: tl.constexpr,
     BLOCK_SIZE_Q: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -295,6 +513,10 @@ def _prefill_kernel(
     PAGE_SIZE: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    STREAMING: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    LO_BITS: tl.constexpr,
 ):
     qb = tl.program_id(0)
     h = tl.program_id(1)
@@ -319,63 +541,72 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_Q], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
 
-    # 1. Selected blocks: outside the sink, outside each query's window (which implies causal),
-    #    and past the previous block's end (dedup of overlapping blocks).
     starts_row = starts_ptr + qb.to(tl.int64) * stride_sb
     n_sel = tl.load(nvalid_ptr + qb).to(tl.int32) * BLOCK_K
-    for v0 in range(0, n_sel, BLOCK_N):
-        vi = v0 + tl.arange(0, BLOCK_N)
-        live = vi < n_sel
-        blk = vi // BLOCK_K
-        start = tl.load(starts_row + blk * stride_sk, mask=live, other=0).to(tl.int32)
-        prev = tl.load(starts_row + (blk - 1) * stride_sk, mask=live & (blk > 0), other=0)
-        prev_end = tl.where(blk > 0, prev.to(tl.int32) + BLOCK_K, 0)
-        t = start + vi % BLOCK_K
-        ok = live & (t >= sink_tokens) & (t >= prev_end) & (t <= p_max - window_tokens)
-        k, v = _load_kv(
-            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
-            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+    if STREAMING:
+        acc, m_i, l_i = _prefill_streaming(
+            q, acc, m_i, l_i, kv_ptr, bt_ptr, starts_row, n_sel, pos, p_min, p_max, seq_len,
+            kv_head, offs_d, d_ok, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
+            stride_page, stride_kv, stride_tok, stride_head, stride_d, stride_btp, stride_sk,
+            sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale,
+            BLOCK_N, BLOCK_K, PAGE_SIZE, USE_SOFT_CAP, DOT_PRECISION, ROT_DIM, IS_NEOX, LO_BITS,
         )  # fmt: skip
-        valid = ok[None, :] & (t[None, :] <= pos[:, None] - window_tokens)
-        acc, m_i, l_i = _attend(
-            q, k, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
-            USE_SOFT_CAP, DOT_PRECISION,
-        )  # fmt: skip
+    else:
+        # 1. Selected blocks: outside the sink, outside each query's window (which implies
+        #    causal), and past the previous block's end (dedup of overlapping blocks).
+        for v0 in range(0, n_sel, BLOCK_N):
+            vi = v0 + tl.arange(0, BLOCK_N)
+            live = vi < n_sel
+            blk = vi // BLOCK_K
+            start = tl.load(starts_row + blk * stride_sk, mask=live, other=0).to(tl.int32)
+            prev = tl.load(starts_row + (blk - 1) * stride_sk, mask=live & (blk > 0), other=0)
+            prev_end = tl.where(blk > 0, prev.to(tl.int32) + BLOCK_K, 0)
+            t = start + vi % BLOCK_K
+            ok = live & (t >= sink_tokens) & (t >= prev_end) & (t <= p_max - window_tokens)
+            k, v = _load_kv(
+                kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
+                stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+            )  # fmt: skip
+            valid = ok[None, :] & (t[None, :] <= pos[:, None] - window_tokens)
+            acc, m_i, l_i = _attend(
+                q, k, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
+                USE_SOFT_CAP, DOT_PRECISION,
+            )  # fmt: skip
 
-    # 2. Sink: causal only.
-    sink_hi = tl.minimum(sink_tokens, p_max + 1)
-    for t0 in range(0, sink_hi, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        ok = t < sink_hi
-        k, v = _load_kv(
-            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
-            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
-        )  # fmt: skip
-        valid = ok[None, :] & (t[None, :] <= pos[:, None])
-        acc, m_i, l_i = _attend(
-            q, k, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
-            USE_SOFT_CAP, DOT_PRECISION,
-        )  # fmt: skip
+        # 2. Sink: causal only.
+        sink_hi = tl.minimum(sink_tokens, p_max + 1)
+        for t0 in range(0, sink_hi, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            ok = t < sink_hi
+            k, v = _load_kv(
+                kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
+                stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+            )  # fmt: skip
+            valid = ok[None, :] & (t[None, :] <= pos[:, None])
+            acc, m_i, l_i = _attend(
+                q, k, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
+                USE_SOFT_CAP, DOT_PRECISION,
+            )  # fmt: skip
 
-    # 3. Window: the union of the block's windows, starting past the sink; per query
-    #    (p - n_stream, p].
-    win_lo = tl.maximum(sink_tokens, p_min - window_tokens + 1)
-    for t0 in range(win_lo, p_max + 1, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        ok = t <= p_max
-        k, v = _load_kv(
-            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
-            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
-        )  # fmt: skip
-        valid = (
-            ok[None, :]
-            & (t[None, :] <= pos[:, None])
-            & (t[None, :] > pos[:, None] - window_tokens)
-        )
-        acc, m_i, l_i = _attend(
-            q, k, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
-            USE_SOFT_CAP, DOT_PRECISION,
-        )  # fmt: skip
+        # 3. Window: the union of the block's windows, starting past the sink; per query
+        #    (p - n_stream, p].
+        win_lo = tl.maximum(sink_tokens, p_min - window_tokens + 1)
+        for t0 in range(win_lo, p_max + 1, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            ok = t <= p_max
+            k, v = _load_kv(
+                kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
+                stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+            )  # fmt: skip
+            valid = (
+                ok[None, :]
+                & (t[None, :] <= pos[:, None])
+                & (t[None, :] > pos[:, None] - window_tokens)
+            )
+            acc, m_i, l_i = _attend(
+                q, k, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
+                USE_SOFT_CAP, DOT_PRECISION,
+            )  # fmt: skip
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_rows = out_ptr + qi[:, None].to(tl.int64) * stride_on + h * stride_oh
@@ -415,6 +646,23 @@ def _check_kv(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int]:
         # Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw integers.
         raise NotImplementedError("bf16 is not supported under TRITON_INTERPRET; use fp16/fp32")
     return hq // hkv, d, kv_cache.shape[2]
+
+
+def _streaming_args(
+    rope: RopeTable | None, head_dim: int, capacity: int, q: torch.Tensor
+) -> tuple[tuple, dict]:
+    """The kernels' rotation arguments: table pointers and ints, and the constexprs.
+
+    Streaming deltas are ``new - t`` with both positions in ``[0, capacity)``, where
+    ``capacity`` is the block table's token capacity, so the tables built for it cover every
+    request that table can describe.
+    """
+    if rope is None:  # q stands in for the tables: the compiled-out code never reads them
+        return (q, q, 0, 1), dict(STREAMING=False, ROT_DIM=0, IS_NEOX=True, LO_BITS=LO_BITS)
+    check_layout(rope, head_dim)
+    tables = delta_tables(rope, capacity, q.device)
+    meta = dict(STREAMING=True, ROT_DIM=rope.rotary_dim, IS_NEOX=rope.is_neox, LO_BITS=LO_BITS)
+    return (tables.hi, tables.lo, tables.bias, tables.n_hi), meta
 
 
 @functools.lru_cache(maxsize=None)
@@ -457,6 +705,7 @@ def sparse_decode_attention(
     num_splits: int | None = None,
     logit_soft_cap: float = 0.0,
     out: torch.Tensor | None = None,
+    rope: RopeTable | None = None,
 ) -> torch.Tensor:
     """Block-sparse attention of one decode query per request; returns ``[B, Hq, D]`` in q's dtype.
 
@@ -467,6 +716,17 @@ def sparse_decode_attention(
     padding row with ``seq_lens = 0``) gets zeros. No host synchronisation: the launch grid depends
     on shapes and ``num_splits`` only, so the call can be captured in a CUDA graph. With
     ``logit_soft_cap > 0`` scores become ``cap * tanh(scores / cap)``.
+
+    With ``rope`` (keys cached rotated at their true positions, q rotated at its own), the
+    positions follow the StreamingLLM style of §2 and the result equals
+    ``reference.sparse_attention`` with a ``RopePlan(rope, bsa="streaming")``. The window
+    ``(p - n_stream, p]`` and the query keep their true positions. The sink tokens, then the
+    selected blocks' tokens, are rotated in-kernel to contiguous positions that end just left
+    of the window. The key set is the reference's, which differs from the one above: the window
+    may reach into the sink, and sink and selected tokens are not deduplicated against each
+    other. The rotation tables are built on the first call for the block table's capacity, so
+    build them before capturing a graph. NeoX and GPT-J pairing and partial rotary are
+    supported.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -475,7 +735,8 @@ def sparse_decode_attention(
     hkv = hq // group
     k_max = block_starts.shape[1]
     block_d = triton.next_power_of_2(d)
-    block_n = 32 if block_d > 128 else 64
+    # A rotation keeps about three more [BLOCK_N, D] tiles live; halved, untuned on a GPU.
+    block_n = 32 if block_d > 128 or rope is not None else 64
     if num_splits is None:
         max_keys = sink_tokens + window_tokens + k_max * block_size_k
         num_splits = _default_num_splits(max_keys, batch * hkv, q.device, block_n)
@@ -483,19 +744,21 @@ def sparse_decode_attention(
         out = torch.empty_like(q)
     if batch == 0:
         return out
+    rope_args, rope_meta = _streaming_args(rope, d, block_table.shape[1] * page_size, q)
+    hi_t, lo_t, bias, n_hi = rope_args
     part_o, part_lse = _decode_workspace(batch, hq, num_splits, d, q.device)
     qk_scale, cap_log2e, inv_cap_scale = _softmax_consts(scale, logit_soft_cap)
     # tl.dot needs at least 16 rows; the padding rows are masked on load and store.
     block_h = max(16, triton.next_power_of_2(group))
     _decode_split_kernel[(batch, hkv, num_splits)](
         q, kv_cache, block_table, seq_lens, block_starts, num_valid_blocks, part_o, part_lse,
-        *q.stride(), *kv_cache.stride(),
+        hi_t, lo_t, *q.stride(), *kv_cache.stride(),
         *block_table.stride(), *block_starts.stride(),
-        sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale,
+        sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale, bias, n_hi,
         NUM_HEADS=hq, GROUP=group, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         USE_SOFT_CAP=logit_soft_cap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4 if block_d <= 128 else 8,
+        num_warps=4 if block_d <= 128 else 8, **rope_meta,
     )  # fmt: skip
     _decode_merge_kernel[(batch, hq)](
         part_o, part_lse, out, *out.stride(),
@@ -520,6 +783,7 @@ def sparse_prefill_attention(
     scale: float,
     logit_soft_cap: float = 0.0,
     out: torch.Tensor | None = None,
+    rope: RopeTable | None = None,
 ) -> torch.Tensor:
     """Block-sparse attention of one request's prefill chunk; returns ``[Nq, Hq, D]`` in q's dtype.
 
@@ -529,6 +793,11 @@ def sparse_prefill_attention(
     of ``block_starts`` / ``block_valid`` (``[n_qblocks, K]``, valid entries first and ascending).
     The result equals ``reference.masked_attention`` over ``reference.sparse_key_mask``. With
     ``logit_soft_cap > 0`` scores become ``cap * tanh(scores / cap)``. No host synchronisation.
+
+    With ``rope`` the positions follow the StreamingLLM style of §2, per query block, as in
+    :func:`sparse_decode_attention`. The result then equals ``reference.sparse_attention`` with a
+    ``RopePlan(rope, bsa="streaming")``. Every query of a block sees the same far keys (sink,
+    then selected) and the block's window ``(p_min - n_stream, p]``, causal.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [Nq, Hq, D], got {tuple(q.shape)}")
@@ -550,16 +819,18 @@ def sparse_prefill_attention(
     n_valid = block_valid.sum(dim=1, dtype=torch.int32)
     block_d = triton.next_power_of_2(d)
     block_q = max(16, triton.next_power_of_2(block_size_q))
-    block_n = 32 if block_d > 128 or block_q > 64 else 64
+    block_n = 32 if block_d > 128 or block_q > 64 or rope is not None else 64
     qk_scale, cap_log2e, inv_cap_scale = _softmax_consts(scale, logit_soft_cap)
+    capacity = max(block_table_row.shape[0] * page_size, seq_len)
+    (hi_t, lo_t, bias, n_hi), rope_meta = _streaming_args(rope, d, capacity, q)
     _prefill_kernel[(n_qblocks, hq)](
-        q, kv_cache, block_table_row, block_starts, n_valid, out,
+        q, kv_cache, block_table_row, block_starts, n_valid, out, hi_t, lo_t,
         *q.stride(), *kv_cache.stride(),
         block_table_row.stride(0), *block_starts.stride(), *out.stride(),
-        seq_len, nq, sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale,
+        seq_len, nq, sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale, bias, n_hi,
         GROUP=group, BLOCK_SIZE_Q=block_size_q, BLOCK_Q=block_q, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size,
         USE_SOFT_CAP=logit_soft_cap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4 if block_q <= 64 and block_d <= 128 else 8,
+        num_warps=4 if block_q <= 64 and block_d <= 128 else 8, **rope_meta,
     )  # fmt: skip
     return out

@@ -11,6 +11,13 @@ Kernel layout (§4): one program per (query block, tile of ``BLOCK_CHUNK`` chunk
 Every bisection step loads a ``[BLOCK_CHUNK, D]`` tile of probe keys per half and multiplies it
 with the block's ``[n_q, D]`` pooled queries; the per-head scores go to a ``[n_blocks, H_q, C]``
 buffer that torch max-reduces over heads, so programs never race and need no atomics.
+
+RoPE remapping (§2): vLLM caches keys rotated at their true positions. The kernel can rotate
+each probe key it reads by ``base[b, j] - t``, with angles from the float64-built tables of
+:mod:`kernels.triton_rope`. It can also score the right-branch probes against their own
+queries. Together these are the relative and chunk-indexed styles of
+:func:`reference.run_stages`. The queries are moved by torch on the host side, and they are
+small. Without RoPE the rotation is compiled out.
 """
 
 from __future__ import annotations
@@ -22,6 +29,16 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
+from .rope import RopeTable, rotate
+from .triton_rope import (
+    LO_BITS,
+    check_layout,
+    delta_cos_sin,
+    delta_tables,
+    rope_pair_layout,
+    rope_table_on,
+    rotate_pairs,
+)
 
 PROBES = ("midpoint", "first")
 PRECISIONS = ("fp32", "ieee", "fast")
@@ -40,11 +57,26 @@ def _probe_scores(
     stride_kpage,
     stride_ktok,
     stride_kd,
+    delta,
+    partner,
+    freq,
+    sign,
+    rot,
+    rope_hi_ptr,
+    rope_lo_ptr,
+    rope_bias,
+    rope_n_hi,
     PAGE_SIZE: tl.constexpr,
     FAST_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
+    HALF: tl.constexpr,
+    LO_BITS: tl.constexpr,
 ):
-    """Per position in ``pos``: max over the block's present queries of q·k at that key."""
+    """Per position in ``pos``: max over the block's present queries of q·k at that key.
+
+    With ``ROPE`` each key is first rotated by its ``delta`` (cos/sin from the delta tables).
+    """
     page = tl.load(block_table_ptr + pos // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
     # int64: a large cache spans more than 2**31 elements.
     row = page * stride_kpage + (pos % PAGE_SIZE).to(tl.int64) * stride_ktok
@@ -53,9 +85,22 @@ def _probe_scores(
         mask=mask[:, None] & d_in[None, :],
         other=0.0,
     )
+    if ROPE:
+        # The pair partners come from a second load of the same rows (cache hits), which
+        # works for any head size, pairing and partial rotary, unlike an in-register shuffle.
+        k_pair = tl.load(
+            k_head_ptr + row[:, None] + partner[None, :] * stride_kd,
+            mask=mask[:, None] & d_in[None, :],
+            other=0.0,
+        )
+        cos, sin = delta_cos_sin(
+            delta, mask, freq, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, HALF, LO_BITS
+        )
+        k = rotate_pairs(k, k_pair, cos, sin, sign)
     if FAST_DOT:
         # Tensor-core precision: 16-bit keys as stored (q_t was cast to match), or tf32.
-        s = tl.dot(k, q_t)
+        # Rotated keys are rounded back to that dtype first, as a rotated cache would hold them.
+        s = tl.dot(k.to(q_t.dtype), q_t)
     else:
         # fp32 like the reference: exact upcast of the keys, then IEEE products (FMA) or
         # tf32x3, whose split operands reach fp32 accuracy on tensor cores.
@@ -65,17 +110,44 @@ def _probe_scores(
 
 
 @triton.jit
+def _load_queries_t(q_ptr, blk, head, offs_q, offs_d, d_in, n_q, stride_qb, stride_qh,
+                    stride_qn, stride_qd):  # fmt: skip
+    """A block's pooled queries transposed to [D, n_q] (fp32), NaN (absent) rows zeroed, and
+    the absent mask (padding rows past n_q are absent too)."""
+    q_t = tl.load(
+        q_ptr
+        + blk * stride_qb
+        + head * stride_qh
+        + offs_q[None, :] * stride_qn
+        + offs_d[:, None] * stride_qd,
+        mask=(offs_q[None, :] < n_q) & d_in[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    # NaN marks a pooled row that holds no query; zero it so the product stays finite and mask
+    # its scores instead.
+    q_nan = q_t != q_t  # noqa: PLR0124 (the NaN test)
+    q_absent = (tl.max(q_nan.to(tl.int32), axis=0) > 0) | (offs_q >= n_q)
+    return tl.where(q_nan, 0.0, q_t), q_absent
+
+
+@triton.jit
 def _select_rep_kernel(
     q_ptr,
+    q_right_ptr,
     k_ptr,
     block_table_ptr,
     starts_ptr,
     valid_ptr,
     key_limit_ptr,
+    base_ptr,
+    rope_hi_ptr,
+    rope_lo_ptr,
     out_ptr,
     n_q,
     n_chunks,
     head_dim,
+    rope_bias,
+    rope_n_hi,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -88,6 +160,8 @@ def _select_rep_kernel(
     stride_sc,
     stride_vb,
     stride_vc,
+    stride_bb,
+    stride_bc,
     stride_ob,
     stride_oh,
     stride_oc,
@@ -98,6 +172,11 @@ def _select_rep_kernel(
     MIDPOINT: tl.constexpr,
     FAST_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
+    TWO_SIDED: tl.constexpr,
+    ROPE: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    LO_BITS: tl.constexpr,
     BLOCK_CHUNK: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -113,28 +192,40 @@ def _select_rep_kernel(
     d_in = offs_d < head_dim
 
     # Queries transposed to [D, n_q] so each probe is one [BLOCK_CHUNK, D] x [D, n_q] product.
-    q_t = tl.load(
-        q_ptr
-        + blk * stride_qb
-        + head * stride_qh
-        + offs_q[None, :] * stride_qn
-        + offs_d[:, None] * stride_qd,
-        mask=(offs_q[None, :] < n_q) & d_in[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    # NaN marks a pooled row that holds no query; zero it so the product stays finite and mask
-    # its scores instead (padding rows past n_q are absent too).
-    q_nan = q_t != q_t  # noqa: PLR0124 (the NaN test)
-    q_absent = (tl.max(q_nan.to(tl.int32), axis=0) > 0) | (offs_q >= n_q)
-    q_t = tl.where(q_nan, 0.0, q_t)
+    q_t, q_absent = _load_queries_t(
+        q_ptr, blk, head, offs_q, offs_d, d_in, n_q, stride_qb, stride_qh, stride_qn, stride_qd
+    )
     if FAST_DOT:
         q_t = q_t.to(k_ptr.dtype.element_ty)
+    if TWO_SIDED:
+        # Right-branch probes score against their own queries (relative RoPE puts the two
+        # probe keys at different distances); their absent rows are the left ones'.
+        q_r_t, _ = _load_queries_t(
+            q_right_ptr, blk, head, offs_q, offs_d, d_in, n_q,
+            stride_qb, stride_qh, stride_qn, stride_qd,
+        )  # fmt: skip
+        if FAST_DOT:
+            q_r_t = q_r_t.to(k_ptr.dtype.element_ty)
+    else:
+        q_r_t = q_t
 
     limit = tl.load(key_limit_ptr + blk).to(tl.int32)
     start = tl.load(starts_ptr + blk * stride_sb + offs_c * stride_sc, mask=c_in, other=0)
     start = start.to(tl.int32)
     flag = tl.load(valid_ptr + blk * stride_vb + offs_c * stride_vc, mask=c_in, other=0)
     valid = (flag != 0) & c_in & (start < limit)
+
+    if ROPE:
+        partner, freq, sign, rot = rope_pair_layout(offs_d, ROT_DIM, IS_NEOX)
+        # a probe key at t turns by base - t
+        base = tl.load(base_ptr + blk * stride_bb + offs_c * stride_bc, mask=c_in, other=0)
+        base = base.to(tl.int32)
+    else:  # placeholders; every use is compiled out
+        partner = offs_d
+        freq = offs_d
+        sign = offs_d.to(tl.float32)
+        rot = d_in
+        base = start
 
     left = start
     right = tl.minimum(start + CHUNK_SIZE, limit)
@@ -152,40 +243,67 @@ def _select_rep_kernel(
         else:  # the paper's Algorithm 3: the first key of each half
             p_left = left
             p_right = mid
-        # Both halves' probes in one [2 * BLOCK_CHUNK, D] tile: one product per step.
-        pos = tl.reshape(tl.join(p_left, p_right), [2 * BLOCK_CHUNK])
-        need = tl.reshape(tl.join(live, live), [2 * BLOCK_CHUNK])
-        s = _probe_scores(
-            k_head_ptr, block_table_ptr, pos, need, q_t, q_absent, offs_d, d_in,
-            stride_kpage, stride_ktok, stride_kd, PAGE_SIZE, FAST_DOT, PRECISION,
-        )  # fmt: skip
-        s_left, s_right = tl.split(tl.reshape(s, [BLOCK_CHUNK, 2]))
+        if TWO_SIDED:
+            # Two query sets, so two products per step.
+            s_left = _probe_scores(
+                k_head_ptr, block_table_ptr, p_left, live, q_t, q_absent, offs_d, d_in,
+                stride_kpage, stride_ktok, stride_kd, base - p_left, partner, freq, sign, rot,
+                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
+                PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM // 2, LO_BITS,
+            )  # fmt: skip
+            s_right = _probe_scores(
+                k_head_ptr, block_table_ptr, p_right, live, q_r_t, q_absent, offs_d, d_in,
+                stride_kpage, stride_ktok, stride_kd, base - p_right, partner, freq, sign, rot,
+                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
+                PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM // 2, LO_BITS,
+            )  # fmt: skip
+        else:
+            # Both halves' probes in one [2 * BLOCK_CHUNK, D] tile: one product per step.
+            pos = tl.reshape(tl.join(p_left, p_right), [2 * BLOCK_CHUNK])
+            need = tl.reshape(tl.join(live, live), [2 * BLOCK_CHUNK])
+            if ROPE:
+                delta = tl.reshape(tl.join(base - p_left, base - p_right), [2 * BLOCK_CHUNK])
+            else:
+                delta = pos
+            s = _probe_scores(
+                k_head_ptr, block_table_ptr, pos, need, q_t, q_absent, offs_d, d_in,
+                stride_kpage, stride_ktok, stride_kd, delta, partner, freq, sign, rot,
+                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
+                PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM // 2, LO_BITS,
+            )  # fmt: skip
+            s_left, s_right = tl.split(tl.reshape(s, [BLOCK_CHUNK, 2]))
         # Strictly greater goes left, so a tie descends right, as in the reference.
         go_left = s_left > s_right
         best = tl.where(live, tl.maximum(best, tl.where(go_left, s_left, s_right)), best)
         right = tl.where(live & go_left, mid, right)
         left = tl.where(live & ~go_left, mid, left)
 
-    # A chunk that was one key wide from the start never probed: that key is its score.
+    # A chunk that was one key wide from the start never probed: that key is its score
+    # (against the left-branch queries, as in the reference).
     single = valid & (best == float("-inf"))
     if tl.max(single.to(tl.int32), axis=0) > 0:
         s_single = _probe_scores(
             k_head_ptr, block_table_ptr, left, single, q_t, q_absent, offs_d, d_in,
-            stride_kpage, stride_ktok, stride_kd, PAGE_SIZE, FAST_DOT, PRECISION,
+            stride_kpage, stride_ktok, stride_kd, base - left, partner, freq, sign, rot,
+            rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
+            PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM // 2, LO_BITS,
         )  # fmt: skip
         best = tl.where(single, s_single, best)
     # Invalid chunks were never live nor single, so they still hold -inf.
     tl.store(out_ptr + blk * stride_ob + head * stride_oh + offs_c * stride_oc, best, mask=c_in)
 
 
-def _launch_config(head_dim: int) -> tuple[int, int]:
+def _launch_config(head_dim: int, rope: bool = False) -> tuple[int, int]:
     """(BLOCK_CHUNK, num_warps): two [BLOCK_CHUNK, D] key tiles per step must fit in registers.
 
     On an H200 (D=128, 64K-1M keys, decode and 16-block prefill) 64 chunks with 8 warps was
     within noise of the best of {16, 32, 64} x {2, 4, 8}; fewer warps spill in the fp32 modes
-    (``"ieee"`` ran 6-8x slower with 4 warps than with 8).
+    (``"ieee"`` ran 6-8x slower with 4 warps than with 8). A rotation holds about three more
+    tiles of that size live (pair partners, cos, sin), so it takes half as many chunks. That
+    choice has not been tuned on a GPU.
     """
-    return (32 if head_dim > 128 else 64), 8
+    block_chunk = 32 if head_dim > 128 else 64
+    return (block_chunk // 2 if rope else block_chunk), 8
 
 
 def _bisect_steps(chunk_size: int) -> int:
@@ -204,6 +322,9 @@ def select_rep_scores_paged(
     probe: str = "midpoint",
     per_head_out: torch.Tensor | None = None,
     precision: str = "fp32",
+    q_pooled_right: torch.Tensor | None = None,
+    key_rotation: tuple[torch.Tensor, RopeTable] | None = None,
+    max_abs_delta: int | None = None,
 ) -> torch.Tensor:
     """SelectRep chunk scores ``[n_blocks, C]`` float32, equal to ``reference.select_rep_scores``.
 
@@ -213,6 +334,22 @@ def select_rep_scores_paged(
     token ``t`` of one request lives at page ``block_table_row[t // page_size]``. Chunk ``j`` of
     block ``b`` covers ``[starts[b, j], min(starts[b, j] + chunk_size, key_limit[b]))``; invalid
     or empty chunks score ``-inf``; the result is the max over query heads.
+
+    RoPE remapping (§2), for keys cached already rotated at their true positions:
+
+    - ``q_pooled_right`` (shaped like ``q_pooled``, same absent rows) scores the right-branch
+      probes, as the reference's argument of that name does (relative style);
+    - ``key_rotation = (base [n_blocks, C] integer, table)`` rotates every probe key of chunk
+      ``j`` of block ``b``, read at true position ``t``, by ``base[b, j] - t`` before scoring.
+      The reference equivalent is ``chunk_rotation = (base, table)`` applied to keys
+      un-rotated to position 0. Angles come from float64-built tables
+      (:mod:`kernels.triton_rope`) and are accurate to about 3e-7 at any delta up to
+      ``max_abs_delta``. The default bound is ``2 * capacity + C``, where ``capacity`` is
+      ``len(block_table_row) * page_size``. That covers ``base`` in ``[-capacity, C]``, which
+      holds both ``base = 0`` (relative) and ``base = j - q_pos`` (chunk-indexed). NeoX and
+      GPT-J pairing and partial rotary are all supported.
+
+    Without either option the kernel is compiled exactly as before: no extra loads or products.
 
     ``precision`` picks how q·k is computed; keys are always upcast exactly first:
 
@@ -227,8 +364,9 @@ def select_rep_scores_paged(
     Guarantees: the bisection path and the probed keys are the reference's (up to near-ties
     within rounding, see ``precision``). Only keys inside live chunks are read, so pages past
     ``key_limit`` need not exist in ``block_table_row``. Positions must fit in int32. No host
-    sync; ``per_head_out`` (``[n_blocks, H_q, C]`` float32, overwritten) lets a caller keep the
-    scratch preallocated.
+    sync once the rotation tables are built (:func:`triton_rope.delta_tables`, cached per table
+    and device); ``per_head_out`` (``[n_blocks, H_q, C]`` float32, overwritten) lets a caller
+    keep the scratch preallocated.
     """
     if probe not in PROBES:
         raise ValueError(f"probe={probe!r} must be one of {PROBES}")
@@ -252,6 +390,14 @@ def select_rep_scores_paged(
             f"starts {tuple(starts.shape)}, valid {tuple(valid.shape)} and key_limit "
             f"{tuple(key_limit.shape)} must be [{nb}, C], [{nb}, C] and [{nb}]"
         )
+    if q_pooled_right is not None:
+        if q_pooled_right.shape != q_pooled.shape:
+            raise ValueError(
+                f"q_pooled_right {tuple(q_pooled_right.shape)} must be shaped like q_pooled "
+                f"{tuple(q_pooled.shape)}"
+            )
+        if q_pooled_right.stride() != q_pooled.stride():  # the kernel takes one set of strides
+            q_pooled, q_pooled_right = q_pooled.contiguous(), q_pooled_right.contiguous()
     if per_head_out is None:
         per_head_out = torch.empty(nb, hq, c, dtype=torch.float32, device=q_pooled.device)
     elif per_head_out.shape != (nb, hq, c) or per_head_out.dtype != torch.float32:
@@ -259,27 +405,48 @@ def select_rep_scores_paged(
             f"per_head_out is {tuple(per_head_out.shape)} {per_head_out.dtype}; "
             f"needs [{nb}, {hq}, {c}] float32"
         )
+    if key_rotation is not None:
+        base, rope_table = key_rotation
+        check_layout(rope_table, d)
+        if base.shape != (nb, c) or base.is_floating_point():
+            raise ValueError(f"key_rotation base {tuple(base.shape)} must be [{nb}, {c}] integers")
+        if max_abs_delta is None:
+            max_abs_delta = 2 * block_table_row.shape[0] * page_size + c
+        tables = delta_tables(rope_table, max_abs_delta, q_pooled.device)
+        rope_args = (base, tables.hi, tables.lo, tables.bias, tables.n_hi)
+        rope_meta = dict(ROPE=True, ROT_DIM=rope_table.rotary_dim, IS_NEOX=rope_table.is_neox)
+    else:
+        # Placeholders for the compiled-out rotation (any tensor; never read).
+        rope_args = (starts, starts, starts, 0, 1)
+        rope_meta = dict(ROPE=False, ROT_DIM=0, IS_NEOX=True)
     if nb == 0 or c == 0:
         return per_head_out.new_empty(nb, c)
 
-    block_chunk, num_warps = _launch_config(d)
+    block_chunk, num_warps = _launch_config(d, rope=key_rotation is not None)
     # tl.dot needs every dimension >= 16; padding rows are masked as absent queries.
     block_q = max(16, triton.next_power_of_2(nq))
     block_d = max(16, triton.next_power_of_2(d))
     if valid.dtype == torch.bool:
         valid = valid.view(torch.uint8)  # same bytes; avoids i1 pointers
+    base_t, hi_t, lo_t, bias, n_hi = rope_args
     grid = (nb, triton.cdiv(c, block_chunk), hq)
     _select_rep_kernel[grid](
         q_pooled,
+        q_pooled if q_pooled_right is None else q_pooled_right,
         kv_cache,  # the kernel reads plane 0 (K) only
         block_table_row,
         starts,
         valid,
         key_limit,
+        base_t,
+        hi_t,
+        lo_t,
         per_head_out,
         nq,
         c,
         d,
+        bias,
+        n_hi,
         *q_pooled.stride(),
         kv_cache.stride(0),
         kv_cache.stride(2),
@@ -287,6 +454,7 @@ def select_rep_scores_paged(
         kv_cache.stride(4),
         *starts.stride(),
         *valid.stride(),
+        *base_t.stride(),
         *per_head_out.stride(),
         GROUP=hq // hkv,
         PAGE_SIZE=page_size,
@@ -295,10 +463,13 @@ def select_rep_scores_paged(
         MIDPOINT=probe == "midpoint",
         FAST_DOT=precision == "fast",
         PRECISION="ieee" if precision == "ieee" else "tf32x3",
+        TWO_SIDED=q_pooled_right is not None,
+        LO_BITS=LO_BITS,
         BLOCK_CHUNK=block_chunk,
         BLOCK_Q=block_q,
         BLOCK_D=block_d,
         num_warps=num_warps,
+        **rope_meta,
     )
     return per_head_out.amax(dim=1)
 
@@ -356,9 +527,18 @@ def run_stages_paged(
     ``precision`` is :func:`select_rep_scores_paged`'s. Guarantees: with the same ``seq_len``
     and ``"fp32"`` or ``"ieee"`` precision, the valid selections and each stage's valid
     candidates equal the reference's (up to score near-ties within fp32 rounding); with
-    ``seq_len`` given, the call is CUDA-graph capturable. Every stage is scored, even one where all live chunks survive: the survivors
-    are then the same set, and they are re-sorted by position, so score ties do not matter.
-    Starts stored under ``valid == False`` are unspecified.
+    ``seq_len`` given, the call is CUDA-graph capturable. Every stage is scored, even one where
+    all live chunks survive: the survivors are then the same set, and they are re-sorted by
+    position, so score ties do not matter. Starts stored under ``valid == False`` are
+    unspecified.
+
+    RoPE remapping (``params.rope`` with ``pruning`` ``"relative"`` or ``"chunk-indexed"``, §2)
+    is done as the reference does it. The queries are un-rotated from their true positions and
+    placed by torch on the host side (small tensors). Each probe key is moved in-kernel from
+    its true position (see :func:`select_rep_scores_paged`). With ``"chunk-indexed"`` the
+    stage-1 candidate count, and so the query position ``min(p, C + sw')``, follows
+    ``seq_len``. Pass the live length to get the reference's scores (§2, "Caveat"). The
+    rotation tables are sized by the block table's capacity and built on the first call.
     """
     nq = q.shape[0]
     bq = params.block_size_q
@@ -380,17 +560,44 @@ def run_stages_paged(
             raise ValueError(f"start_stage={start_stage} needs start_input, that stage's input")
         cand = start_input
 
+    rope = params.rope
+    style = "none" if rope is None else rope.pruning
+    if style not in ("none", "relative", "chunk-indexed"):
+        raise ValueError(f"unknown RoPE pruning style {style!r}")
+    if style != "none":
+        table = rope_table_on(rope.table, device)
+        # Score un-rotated queries, placed below where the style says (as the reference).
+        q = rotate(q.float(), -q_positions.long(), table)
+    sw = params.scan_window
+
     stage_inputs: list[ref.Candidates] = []
-    pooled: dict[int, torch.Tensor] = {}  # stages often share a stride
+    pooled: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # stages often share one
     n_stages = len(params.stages)
     for i in range(start_stage, n_stages):
         st = params.stages[i]
         stage_inputs.append(cand)
-        keep = min(st.keep_tokens // st.chunk_size, cand.starts.shape[1])
+        c = cand.starts.shape[1]
+        keep = min(st.keep_tokens // st.chunk_size, c)
         if st.query_stride not in pooled:
-            pooled[st.query_stride] = ref.pool_queries(q, bq, st.query_stride) * scale
+            qp = ref.pool_queries(q, bq, st.query_stride) * scale
+            if style == "relative":
+                # query at sw'+1, left probe at 0, right probe at 1: distances sw'+1 and sw'
+                pooled[st.query_stride] = (rotate(qp, sw + 1, table), rotate(qp, sw, table))
+            else:
+                pooled[st.query_stride] = (qp, None)
+        q_left, q_right = pooled[st.query_stride]
+        rotation = None
+        if style == "relative":  # every probe key to position 0
+            rotation = (torch.zeros((), dtype=torch.int32, device=device).expand(n_blocks, c),
+                        table)  # fmt: skip
+        elif style == "chunk-indexed":
+            # keys of chunk j at ordinal j, the query at min(p, C + sw') and scored from 0: only
+            # the gap matters, so the keys turn by j - query position (from their true t)
+            q_pos = torch.clamp(block_min_pos, max=c + sw)
+            base = torch.arange(c, device=device).view(1, -1) - q_pos.view(-1, 1)
+            rotation = (base, table)
         scores = select_rep_scores_paged(
-            pooled[st.query_stride],
+            q_left,
             kv_cache,
             block_table_row,
             cand.starts,
@@ -399,6 +606,8 @@ def run_stages_paged(
             chunk_size=st.chunk_size,
             probe=params.probe,
             precision=precision,
+            q_pooled_right=q_right,
+            key_rotation=rotation,
         )
         kept_starts, kept_valid = _keep_top(scores, cand, keep)
         if i == n_stages - 1:

@@ -20,8 +20,11 @@ if not _GPU:
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from vllm_infinitehip.kernels import ops  # noqa: E402
 from vllm_infinitehip.kernels import reference as ref  # noqa: E402
 from vllm_infinitehip.kernels import triton_bsa as tb  # noqa: E402
+from vllm_infinitehip.kernels import triton_prune as tp  # noqa: E402
+from vllm_infinitehip.kernels.rope import RopeTable, rotate  # noqa: E402
 
 _RUNNABLE = _GPU or isinstance(tb._prefill_kernel, InterpretedFunction)
 pytestmark = [
@@ -255,6 +258,166 @@ def test_prefill_rejects_mismatched_blocks():
             q, kv, torch.arange(4, device=DEVICE), 64, starts, starts > 0, block_size_q=16,
             block_size_k=8, sink_tokens=4, window_tokens=16, scale=0.1,
         )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- RoPE: streaming
+def expected_streaming(
+    q, kv, table_row, seq_len, starts, valid, *, bq, bk, sink, window, scale, rope
+) -> torch.Tensor:
+    """The reference's StreamingLLM-positioned attention (fp32) for the last ``len(q)`` positions."""
+    k, v = ref.gather_paged_kv(kv, table_row, seq_len)
+    pos = torch.arange(seq_len - q.shape[0], seq_len, device=q.device)
+    params = ref.PruneParams(
+        sink, window, (ref.StageParams(bk, 0, bq, 1),), rope=ref.RopePlan(rope, "none", "streaming")
+    )
+    prune = ref.PruneResult(starts.long(), valid, [])
+    out, _, _ = ref.sparse_attention(
+        params, q.float(), k.float(), v.float(), pos, scale, prune=prune
+    )
+    return out
+
+
+NEOX64 = RopeTable.default(64, 10000.0)
+NEOX128 = RopeTable.default(128, 500000.0)
+GPTJ64 = RopeTable(NEOX64.inv_freq, is_neox=False)
+PARTIAL64 = RopeTable.default(32, 10000.0)  # rotary_dim 32 of a 64-wide head
+
+STREAMING_DECODE_CASES = {
+    # name: (hq, hkv, d, page, bk, sink, window, num_splits, aligned, dtype, rope)
+    "mha-d64-aligned": (4, 4, 64, 16, 8, 16, 64, None, True, torch.float32, NEOX64),
+    "gqa4-d128-overlapping-blocks": (8, 2, 128, 32, 4, 16, 64, 3, False, torch.float32, NEOX128),
+    "gqa4-d64-fp16": (8, 2, 64, 16, 8, 16, 48, 2, True, torch.float16, NEOX64),
+    "gqa7-no-sink-gptj": (7, 1, 64, 32, 8, 0, 37, 1, False, torch.float32, GPTJ64),
+    "gqa4-no-window-partial-rotary": (4, 1, 64, 16, 4, 20, 0, 5, False, torch.float32, PARTIAL64),
+}
+
+
+@pytest.mark.parametrize("name", STREAMING_DECODE_CASES)
+def test_decode_streaming_matches_reference(name, poisoned_workspace):
+    hq, hkv, d, page, bk, sink, window, splits, aligned, dtype, rope = STREAMING_DECODE_CASES[name]
+    gen = torch.Generator().manual_seed(len(name) + 100)
+    # a long request, one inside sink + window (its window covers the sink), one without
+    # selected blocks, a full one
+    seq_lens = [int(torch.randint(300, 900, (1,), generator=gen)), 20, 333, 900]
+    k_max = 16
+    kv, table = paged_cache(seq_lens, page, hkv, d, dtype, gen)
+    rows = [random_starts(s, k_max, n, bk, aligned, gen) for s, n in zip(seq_lens, [10, 4, 0, 16])]
+    starts = torch.stack([r[0] for r in rows]).to(DEVICE)
+    n_valid = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(dtype).to(DEVICE)
+    scale = d**-0.5
+    out = torch.full_like(q, float("nan"))
+    tb.sparse_decode_attention(
+        q, kv, table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), starts, n_valid,
+        block_size_k=bk, sink_tokens=sink, window_tokens=window, scale=scale,
+        num_splits=splits, out=out, rope=rope,
+    )  # fmt: skip
+    assert bool(torch.isfinite(out).all()), "every output element is written"
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-3)
+    moved = 0.0
+    for b, s in enumerate(seq_lens):
+        valid = (torch.arange(k_max, device=DEVICE) < n_valid[b]).view(1, -1)
+        kw = dict(bq=1, bk=bk, sink=sink, window=window, scale=scale)
+        want = expected_streaming(q[b : b + 1], kv, table[b], s, starts[b : b + 1], valid,
+                                  rope=rope, **kw)  # fmt: skip
+        torch.testing.assert_close(out[b : b + 1].float(), want, **tol)
+        plain = expected(q[b : b + 1], kv, table[b], s, starts[b : b + 1], valid, **kw)
+        moved = max(moved, float((plain - want).abs().max()))
+    assert moved > 1e-2, "the positions must matter in this case"
+
+
+STREAMING_PREFILL_CASES = {
+    # name: (hq, hkv, d, page, bk, bq, nq, seq_len, sink, window, aligned, dtype, rope)
+    "mha-d64-chunked": (4, 4, 64, 16, 8, 16, 64, 700, 16, 64, True, torch.float32, NEOX64),
+    "gqa4-d128-overlapping": (8, 2, 128, 32, 4, 16, 40, 1200, 16, 48, False, torch.float32,
+                              NEOX128),
+    "gqa4-whole-prompt-fp16": (8, 2, 64, 32, 8, 32, 70, 70, 16, 40, False, torch.float16, NEOX64),
+    "gqa7-no-sink-gptj": (7, 1, 64, 16, 8, 16, 33, 500, 0, 64, True, torch.float32, GPTJ64),
+    "gqa4-no-window-partial": (4, 1, 64, 16, 4, 16, 20, 400, 24, 0, False, torch.float32,
+                               PARTIAL64),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", STREAMING_PREFILL_CASES)
+def test_prefill_streaming_matches_reference(name):
+    hq, hkv, d, page, bk, bq, nq, seq_len, sink, window, aligned, dtype, rope = (
+        STREAMING_PREFILL_CASES[name]
+    )
+    gen = torch.Generator().manual_seed(len(name) + 200)
+    k_max = 12
+    kv, table = paged_cache([seq_len], page, hkv, d, dtype, gen)
+    starts, valid = [], []
+    for j in range(math.ceil(nq / bq)):
+        block_end = min(seq_len, seq_len - nq + (j + 1) * bq)
+        n = int(torch.randint(0, k_max + 1, (1,), generator=gen)) if j else k_max
+        row, n = random_starts(block_end, k_max, n, bk, aligned, gen)
+        starts.append(row)
+        valid.append(torch.arange(k_max) < n)
+    starts = torch.stack(starts).to(DEVICE)
+    valid = torch.stack(valid).to(DEVICE)
+    q = torch.randn(nq, hq, d, generator=gen).to(dtype).to(DEVICE)
+    scale = d**-0.5
+    out = torch.full_like(q, float("nan"))
+    tb.sparse_prefill_attention(
+        q, kv, table[0], seq_len, starts, valid, block_size_q=bq, block_size_k=bk,
+        sink_tokens=sink, window_tokens=window, scale=scale, out=out, rope=rope,
+    )  # fmt: skip
+    assert bool(torch.isfinite(out).all()), "every output element is written"
+    kw = dict(bq=bq, bk=bk, sink=sink, window=window, scale=scale)
+    want = expected_streaming(q, kv, table[0], seq_len, starts, valid, rope=rope, **kw)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-3)
+    torch.testing.assert_close(out.float(), want, **tol)
+    plain = expected(q, kv, table[0], seq_len, starts, valid, **kw)
+    assert float((plain - want).abs().max()) > 1e-2, "the positions must matter in this case"
+
+
+@pytest.mark.parametrize("pruning,nq", [("relative", 40), ("chunk-indexed", 1)],
+                         ids=["relative-prefill", "chunk-indexed-decode"])  # fmt: skip
+def test_triton_ops_run_rope_plans_in_the_kernels(pruning, nq, monkeypatch):
+    seq_len, hq, hkv, d, scale = 800, 8, 2, 64, 0.125
+    gen = torch.Generator().manual_seed(nq)
+    kv, table = paged_cache([seq_len], 16, hkv, d, torch.float32, gen)
+    rope = NEOX64
+    # what vLLM caches and hands over: vectors rotated at their true positions
+    k, v = ref.gather_paged_kv(kv, table[0], seq_len)
+    t = torch.arange(seq_len, device=DEVICE)
+    slots = table[0][t // 16].long() * 16 + t % 16
+    ref.write_paged_kv(kv, rotate(k, t, rope), v, slots)
+    pos = torch.arange(seq_len - nq, seq_len, device=DEVICE)
+    q = rotate(torch.randn(nq, hq, d, generator=gen), pos.cpu(), rope).to(DEVICE)
+    stages = (ref.StageParams(32, 256, 16, 4), ref.StageParams(8, 96, 16, 4),
+              ref.StageParams(4, 48, 16, 1))  # fmt: skip
+    params = ref.PruneParams(16, 64, stages, "midpoint", ref.RopePlan(rope, pruning, "streaming"))
+    req = ops.RequestKV(kv, table[0], seq_len)
+
+    want_prune = ops.ReferenceOps().prune(params, req, q, pos, scale)
+    want, _ = ops.ReferenceOps().attend(params, req, q, pos, scale, want_prune)
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("TritonOps fell back to the reference")
+
+    for name in ("run_stages", "sparse_attention", "_streaming_attention"):
+        monkeypatch.setattr(ref, name, no_reference)
+    calls = []
+    for mod, name in ((tp, "select_rep_scores_paged"), (tb, "sparse_decode_attention"),
+                      (tb, "sparse_prefill_attention")):  # fmt: skip
+        real = getattr(mod, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(mod, name, spy)
+
+    got_prune = ops.TritonOps().prune(params, req, q, pos, scale)
+    got, attended = ops.TritonOps().attend(params, req, q, pos, scale, got_prune)
+    assert "select_rep_scores_paged" in calls
+    assert ("sparse_decode_attention" if nq == 1 else "sparse_prefill_attention") in calls
+    gv = got_prune.block_valid.cpu()
+    assert torch.equal(gv, want_prune.block_valid.cpu())
+    assert torch.equal(got_prune.block_starts.cpu()[gv], want_prune.block_starts.cpu()[gv])
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=1e-4)
+    assert attended > 0
 
 
 # --------------------------------------------------------------------------- GPU, real shapes

@@ -32,6 +32,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from vllm_infinitehip.kernels import reference as ref
 from vllm_infinitehip.kernels import triton_prune as tp
+from vllm_infinitehip.kernels import triton_rope as tr
+from vllm_infinitehip.kernels.rope import RopeTable, rope_cos_sin, rotate
 
 HAS_CUDA = torch.cuda.is_available()
 _SAVED_INTERPRET = os.environ.pop("_TRITON_INTERPRET_BEFORE", None)
@@ -277,6 +279,204 @@ def test_run_stages_paged_static_bound_keeps_selection():
     gv = got.block_valid.cpu()
     assert torch.equal(gv, want.block_valid)
     assert torch.equal(got.block_starts.cpu()[gv], want.block_starts[want.block_valid])
+
+
+# --------------------------------------------------------------------------- RoPE: delta tables
+LLAMA_TABLE = RopeTable.default(128, rope_theta=500000.0)
+
+
+def test_delta_tables_match_float64_truth_at_millions():
+    # Every split edge (lo = 0 and S - 1, hi changing sign), the tables' own bound, and
+    # random deltas up to several million either way.
+    s = 1 << tr.LO_BITS
+    bound = 6_000_000
+    edges = [0, 1, -1, s - 1, s, s + 1, -s + 1, -s, -s - 1, 2_000_000, -2_000_003]
+    gen = torch.Generator().manual_seed(3)
+    delta = torch.cat([
+        torch.tensor(edges), torch.randint(-bound, bound + 1, (200,), generator=gen),
+    ])  # fmt: skip
+    for table in (LLAMA_TABLE, RopeTable.default(64, 10000.0)):
+        tables = tr.delta_tables(table, bound, "cpu")
+        assert tables.max_abs_delta >= bound
+        delta = torch.cat([delta, torch.tensor([tables.max_abs_delta, -tables.max_abs_delta])])
+        cos64, sin64 = rope_cos_sin(delta, table, torch.float64)
+        got_ref = tr.delta_cos_sin_reference(delta, tables)
+        got_tri = tr.delta_cos_sin_triton(delta.to(DEVICE), tr.delta_tables(table, bound, DEVICE))
+        for cos, sin in (got_ref, got_tri):
+            assert float((cos.cpu().double() - cos64).abs().max()) < 1e-6
+            assert float((sin.cpu().double() - sin64).abs().max()) < 1e-6
+        # delta 0 is an exact identity (window keys pass through the rotation unchanged)
+        assert bool((got_tri[0][0] == 1).all()) and bool((got_tri[1][0] == 0).all())
+    # What the tables avoid: float32 angles are off by far more at these deltas.
+    big = torch.tensor([4_000_000])
+    naive = torch.cos(big.float().unsqueeze(-1) * LLAMA_TABLE.inv_freq.float()).double()
+    assert float((naive - rope_cos_sin(big, LLAMA_TABLE, torch.float64)[0]).abs().max()) > 1e-2
+
+
+def test_delta_tables_are_cached_and_grow():
+    table = RopeTable.default(32, 10000.0)
+    small = tr.delta_tables(table, 5000, "cpu")
+    assert tr.delta_tables(table, 3000, "cpu") is small  # a smaller bound reuses them
+    # equal frequencies share tables (vLLM builds one RopeTable per layer)
+    assert tr.delta_tables(RopeTable.default(32, 10000.0), 5000, "cpu") is small
+    big = tr.delta_tables(table, 100_000, "cpu")
+    assert big is not small and big.max_abs_delta >= 100_000
+    assert tr.delta_tables(table, 5000, "cpu") is big
+    # out-of-bound deltas are clamped into the table, never read out of bounds
+    cos, _ = tr.delta_cos_sin_reference(torch.tensor([10**9, -(10**9)]), small)
+    assert bool(torch.isfinite(cos).all())
+
+
+# --------------------------------------------------------------------------- RoPE: SelectRep
+GPTJ_TABLE = RopeTable(RopeTable.default(64, 10000.0).inv_freq, is_neox=False)
+PARTIAL_TABLE = RopeTable.default(32, 10000.0)  # rotary_dim 32 of a 64-wide head
+
+# (style, seq_len, D, page, H_q, H_kv, chunk, probe, num queries, stride, cache dtype, table)
+ROPE_CASES = {
+    "relative-gqa4-d128": ("relative", 900, 128, 16, 8, 2, 16, "midpoint", 20, 4,
+                           torch.float32, LLAMA_TABLE),
+    "relative-mha-d64-fp16-first": ("relative", 600, 64, 32, 4, 4, 8, "first", 1, 4,
+                                    torch.float16, RopeTable.default(64)),
+    "chunk-indexed-gqa4-d64": ("chunk-indexed", 1000, 64, 32, 8, 2, 32, "midpoint", 33, 4,
+                               torch.float32, RopeTable.default(64)),
+    "chunk-indexed-mha-d128-fp16": ("chunk-indexed", 700, 128, 16, 2, 2, 8, "first", 1, 1,
+                                    torch.float16, LLAMA_TABLE),
+    "relative-gptj-bf16": ("relative", 500, 64, 16, 4, 1, 16, "midpoint", 16, 4,
+                           torch.bfloat16, GPTJ_TABLE),
+    "chunk-indexed-partial-rotary": ("chunk-indexed", 500, 64, 16, 4, 1, 16, "first", 16, 4,
+                                     torch.float32, PARTIAL_TABLE),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ROPE_CASES)
+def test_scores_with_key_rotation_equal_reference(name):
+    style, t, d, page, hq, hkv, chunk, probe, nq, stride, dtype, table = ROPE_CASES[name]
+    gen = torch.Generator().manual_seed(len(name) * 7 + t)
+    # what vLLM caches: keys rotated at their true positions
+    k = rotate(torch.randn(t, hkv, d, generator=gen), torch.arange(t), table)
+    cache, block_table = paged_cache(k, page, gen, dtype)
+    qp = ref.pool_queries(torch.randn(nq, hq, d, generator=gen), 16, stride) * d**-0.5
+    nb = qp.shape[0]
+    sink = 4
+    c = -(-(t - sink) // chunk)
+    order = torch.stack([torch.randperm(c, generator=gen) for _ in range(nb)])
+    starts = sink + order * chunk
+    valid = torch.rand(nb, c, generator=gen) > 0.2
+    limits = [t, t - chunk // 2 - 1, sink + (c // 2) * chunk + 1]
+    key_limit = torch.tensor([limits[i % len(limits)] for i in range(nb)])
+    # the reference scores keys un-rotated to position 0 (from the cache's own rounding)
+    k0 = rotate(to_cpu_gathered(cache.cpu(), block_table.cpu(), t).float(), -torch.arange(t), table)
+    cand = ref.Candidates(starts, valid)
+    sw = 60
+    if style == "relative":
+        q_left, q_right = rotate(qp, sw + 1, table), rotate(qp, sw, table)
+        base = torch.zeros(nb, c, dtype=torch.long)
+        want = ref.select_rep_scores(q_left, k0, cand, chunk, key_limit, probe,
+                                     q_pooled_right=q_right)  # fmt: skip
+    else:
+        q_left, q_right = qp, None
+        q_pos = torch.clamp(key_limit - 1, max=c + sw)
+        base = torch.arange(c).view(1, -1) - q_pos.view(-1, 1)
+        want = ref.select_rep_scores(qp, k0, cand, chunk, key_limit, probe,
+                                     chunk_rotation=(base, table))  # fmt: skip
+
+    poison = torch.full((nb, hq, c), float("nan"), device=DEVICE)
+    got = tp.select_rep_scores_paged(
+        q_left.to(DEVICE), cache, block_table, starts.to(DEVICE), valid.to(DEVICE),
+        key_limit.to(DEVICE), chunk_size=chunk, probe=probe, per_head_out=poison,
+        q_pooled_right=None if q_right is None else q_right.to(DEVICE),
+        key_rotation=(base.to(DEVICE), table),
+    )  # fmt: skip
+    assert not torch.isnan(poison).any()
+    got, want = got.cpu(), want.cpu()
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)), "-inf positions differ"
+    fin = torch.isfinite(want)
+    # Angles from the split tables differ from the reference's by ~1e-7 rad: scores agree to
+    # float32 rounding of sums of D products, not bit for bit.
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-4, atol=1e-4)
+    # The rotation matters: scoring the cached keys as they are gives other scores.
+    plain = tp.select_rep_scores_paged(
+        q_left.to(DEVICE), cache, block_table, starts.to(DEVICE), valid.to(DEVICE),
+        key_limit.to(DEVICE), chunk_size=chunk, probe=probe,
+    ).cpu()  # fmt: skip
+    assert (plain[fin] - want[fin]).abs().max() > 1e-2
+
+
+def test_key_rotation_rejects_bad_layouts():
+    cache = torch.zeros(4, 2, 16, 1, 32)
+    qp = torch.zeros(1, 1, 4, 32)
+    z = torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="rotary_dim 64 exceeds the head size 32"):
+        tp.select_rep_scores_paged(qp, cache, z[0], z, z.bool(), z[:, 0] + 1, chunk_size=8,
+                                   key_rotation=(z, RopeTable.default(64)))  # fmt: skip
+    with pytest.raises(ValueError, match="q_pooled_right"):
+        tp.select_rep_scores_paged(qp, cache, z[0], z, z.bool(), z[:, 0] + 1, chunk_size=8,
+                                   q_pooled_right=qp[:, :, :2])  # fmt: skip
+
+
+# --------------------------------------------------------------------------- RoPE: the cascade
+def rope_params(pruning: str, probe: str, table: RopeTable) -> ref.PruneParams:
+    p = small_params(probe)
+    return ref.PruneParams(p.sink_tokens, p.window_tokens, p.stages, probe,
+                           ref.RopePlan(table, pruning, "streaming"))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "pruning,nq,hkv,page,probe",
+    [
+        ("relative", 40, 2, 16, "midpoint"),
+        ("relative", 1, 8, 32, "first"),
+        ("chunk-indexed", 33, 8, 32, "midpoint"),
+        ("chunk-indexed", 1, 2, 16, "midpoint"),
+    ],
+    ids=["relative-prefill-gqa4", "relative-decode-mha", "chunk-indexed-prefill-mha",
+         "chunk-indexed-decode-gqa4"],
+)  # fmt: skip
+def test_run_stages_paged_with_rope_equals_reference(pruning, nq, hkv, page, probe):
+    t, hq, d, scale = 1100, 8, 64, 0.125
+    table = RopeTable.default(d, 10000.0)
+    gen = torch.Generator().manual_seed(nq + hkv)
+    k = rotate(torch.randn(t, hkv, d, generator=gen), torch.arange(t), table)
+    cache, block_table = paged_cache(k, page, gen)
+    pos = torch.arange(t - nq, t)
+    q = rotate(torch.randn(nq, hq, d, generator=gen), pos, table)
+    params = rope_params(pruning, probe, table)
+
+    want = ref.run_stages(params, q, k, pos, scale)
+    assert bool(want.block_valid.any())
+    got = tp.run_stages_paged(
+        params, q.to(DEVICE), cache, block_table, pos.to(DEVICE), scale, seq_len=t
+    )
+    assert_same_selection(got, want)
+    # The remapping matters: without it the selection is another one.
+    plain = ref.run_stages(small_params(probe), q, k, pos, scale)
+    assert not torch.equal(
+        plain.block_starts[plain.block_valid], want.block_starts[want.block_valid]
+    )
+
+    # Decode refresh with RoPE: resume at stage 1 from the reference's cached input.
+    resume_in = want.stage_inputs[1]
+    want_r = ref.run_stages(params, q, k, pos, scale, 1, resume_in)
+    dev_in = ref.Candidates(resume_in.starts.to(DEVICE), resume_in.valid.to(DEVICE))
+    got_r = tp.run_stages_paged(params, q.to(DEVICE), cache, block_table, pos.to(DEVICE),
+                                scale, 1, dev_in)  # fmt: skip
+    assert_same_selection(got_r, want_r)
+
+
+def test_run_stages_paged_pruning_none_keeps_cached_positions():
+    # pruning="none" (a RopePlan for BSA only) scores the cached vectors as they are.
+    t, nq, scale = 500, 16, 0.2
+    table = RopeTable.default(32)
+    gen = torch.Generator().manual_seed(11)
+    k = torch.randn(t, 2, 32, generator=gen)
+    cache, block_table = paged_cache(k, 16, gen)
+    q = torch.randn(nq, 4, 32, generator=gen)
+    pos = torch.arange(t - nq, t)
+    params = rope_params("none", "midpoint", table)
+    want = ref.run_stages(params, q, k, pos, scale)
+    got = tp.run_stages_paged(params, q.to(DEVICE), cache, block_table, pos.to(DEVICE), scale,
+                              seq_len=t)  # fmt: skip
+    assert_same_selection(got, want)
 
 
 # --------------------------------------------------------------------------- realistic, GPU
