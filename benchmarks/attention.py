@@ -1,11 +1,16 @@
 """One attention layer at long context: InfiniteHiP kernels vs dense, on the GPU.
 
     python benchmarks/attention.py [--contexts 32768 131072 524288 1048576] [--preset 3k-fast]
+                                   [--baselines fa3 xformers]
 
 Llama-3-8B layer shapes (32 q / 8 kv heads, d=128, bf16), batch 1, vLLM-style paged KV (16-token
 pages in random order). For each context it measures, in the same run:
 
 - dense: torch SDPA (flash) decode, and a 32K-query prefill chunk at the end of the context;
+- dense baselines, each optional (``--baselines``) and allowed to fail without ending the run (the
+  row then holds null and ``<field>_error``): vLLM's own FLASH_ATTN kernel (FA3 on Hopper) over its
+  paged cache layout, and xformers' ``memory_efficient_attention_forward`` (whatever it dispatches
+  to, plus its Triton split-K decode kernel), both checked against the SDPA output;
 - ours, decode: a refresh step at each level (all stages; from stage 2; from stage 3) and a reuse
   step (block-sparse attention only), each as a CUDA graph replay when capture works, and the
   amortized cost over the preset's refresh schedule;
@@ -14,7 +19,7 @@ pages in random order). For each context it measures, in the same run:
 - attention-mass recall: the share of the dense softmax mass (decode query) on the keys selected.
 
 Keys carry planted structure (smooth bumps aligned with the query) so that recall means something.
-Writes benchmarks/results/attention-<gpu>-<date>.json and prints a table; plot with
+Writes benchmarks/results/attention-<gpu>-<date>.json and prints tables; plot with
 benchmarks/plot.py.
 """
 
@@ -25,6 +30,7 @@ import datetime
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,6 +45,7 @@ from vllm_infinitehip.mask_state import refresh_level
 HQ, HKV, D = 32, 8, 128
 PAGE = 16
 PREFILL_CHUNK = 32768
+BASELINES = ("fa3", "xformers")
 
 
 def bench(fn, graph: bool = True, warmup: int = 3, reps: int = 20) -> tuple[float, bool]:
@@ -118,7 +125,8 @@ def prune_params(cfg: InfiniteHiPConfig) -> ref.PruneParams:
     return ref.PruneParams(cfg.sink_tokens, cfg.window_tokens, stages, cfg.probe)
 
 
-def run_context(t: int, cfg: InfiniteHiPConfig, bw: float) -> dict:
+def run_context(t: int, cfg: InfiniteHiPConfig, bw: float,
+                baselines: tuple[str, ...] = BASELINES) -> dict:
     params = prune_params(cfg)
     scale = D**-0.5
     kv, table, q, qp = make_layer(t, seed=t % 1000)
@@ -130,9 +138,12 @@ def run_context(t: int, cfg: InfiniteHiPConfig, bw: float) -> dict:
     # the lower-right causal path does not take GQA.
     qd = q.view(1, HQ, 1, D)
     kg, vg = k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)
-    row["decode_us_dense"], _ = bench(
-        lambda: F.scaled_dot_product_attention(qd, kg, vg, scale=scale, enable_gqa=True)
-    )
+
+    def dense_decode():
+        return F.scaled_dot_product_attention(qd, kg, vg, scale=scale, enable_gqa=True)
+
+    row["decode_us_dense"], _ = bench(dense_decode)
+    ref_decode = dense_decode().view(HQ, D)
     kd = kg.repeat_interleave(HQ // HKV, dim=1)
     vd = vg.repeat_interleave(HQ // HKV, dim=1)
     nq = qp.shape[0]
@@ -140,10 +151,12 @@ def run_context(t: int, cfg: InfiniteHiPConfig, bw: float) -> dict:
     from torch.nn.attention.bias import causal_lower_right
 
     mask = causal_lower_right(nq, t)
-    row["prefill_ms_dense"] = bench(
-        lambda: F.scaled_dot_product_attention(qpd, kd, vd, attn_mask=mask, scale=scale),
-        graph=False, reps=3,
-    )[0] / 1000
+
+    def dense_prefill():
+        return F.scaled_dot_product_attention(qpd, kd, vd, attn_mask=mask, scale=scale)
+
+    row["prefill_ms_dense"] = bench(dense_prefill, graph=False, reps=3)[0] / 1000
+    ref_prefill = dense_prefill()[0].transpose(0, 1)  # [nq, HQ, D], as the baselines return it
     del kd, vd, kg, vg
 
     # ---- ours: decode
@@ -223,16 +236,169 @@ def run_context(t: int, cfg: InfiniteHiPConfig, bw: float) -> dict:
         reps=5,
     )[0] / 1000
     row["prefill_speedup_vs_dense"] = row["prefill_ms_dense"] / row["prefill_ms"]
+
+    # ---- other dense baselines, last: ours is measured even if one of them leaves the GPU broken
+    refs = {"decode": ref_decode, "prefill": ref_prefill}
+    if "fa3" in baselines:
+        fa3_baseline(row, kv, table, q, qp, t, scale, refs)
+        release()
+    if "xformers" in baselines:
+        xformers_baseline(row, k, v, q, qp, t, scale, refs)
+        release()
+    # a baseline not asked for is null without an error, so every row has the same fields
+    for field in ("decode_us_fa3", "prefill_ms_fa3", "decode_us_xformers", "prefill_ms_xformers",
+                  "decode_us_xformers_splitk"):
+        row.setdefault(field, None)
+    for name in BASELINES:
+        row[f"decode_speedup_vs_{name}_amortized"] = ratio(row.get(f"decode_us_{name}"), amortized)
+        row[f"prefill_speedup_vs_{name}"] = ratio(row.get(f"prefill_ms_{name}"), row["prefill_ms"])
     return row
 
 
-def main() -> int:
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a / b
+
+
+def release() -> None:
+    try:
+        torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - after a baseline broke the context, keep the row anyway
+        pass
+
+
+def skip(row: dict, fields: tuple[str, ...], e: BaseException) -> None:
+    """A baseline that cannot run: its fields are null, with the reason beside each."""
+    # one line, long enough for xformers' list of kernels and why each refused
+    msg = f"{type(e).__name__}: {' '.join(str(e).split())}"[:2000]
+    for field in fields:
+        row[field] = None
+        row[f"{field}_error"] = msg
+    print(f"  ({', '.join(fields)}: {msg[:300]})")
+
+
+def measure(row: dict, field: str, run: Callable[[], torch.Tensor], ref: torch.Tensor) -> None:
+    """Time one baseline call into ``row[field]`` (decode: µs, CUDA graph when it captures;
+    prefill: ms, eager, as dense), after checking its output against dense SDPA's, since a wrong
+    layout or mask would still time fine. Never raises."""
+    try:
+        out = run()
+        diff = (out.reshape(ref.shape).float() - ref.float()).abs().max().item()
+        row.setdefault("max_abs_diff_vs_dense", {})[field] = diff
+        if field.startswith("decode"):
+            row[field], captured = bench(run)
+            row.setdefault("baseline_cuda_graph", {})[field] = captured
+        else:
+            row[field] = bench(run, graph=False, reps=3)[0] / 1000
+    except Exception as e:  # noqa: BLE001 - a baseline must not end the run
+        skip(row, (field,), e)
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def fa3_baseline(row, kv, table, q, qp, t: int, scale: float, refs: dict) -> None:
+    """vLLM's FLASH_ATTN kernel (FA3) the way its backend calls it, over the same pages in the
+    same order (block table = ours), in vLLM 0.26's cache layout: logical [blocks, H_kv, block,
+    2*D] stored NHD, i.e. [blocks, block, H_kv, 2*D] with a token-head's K and V side by side; the
+    backend hands FA3 the two strided halves. 16-token blocks, vLLM's CUDA default (FLASH_ATTN
+    takes any multiple of 16)."""
+    fields = ("decode_us_fa3", "prefill_ms_fa3")
+    try:
+        from vllm.vllm_flash_attn import (
+            fa_version_unsupported_reason,
+            flash_attn_varlen_func,
+            is_fa_version_supported,
+        )
+
+        if not is_fa_version_supported(3):
+            raise RuntimeError(fa_version_unsupported_reason(3))
+        cache = torch.empty(kv.shape[0], PAGE, HKV, 2 * D, device=kv.device, dtype=kv.dtype)
+        cache[..., :D] = kv[:, 0]
+        cache[..., D:] = kv[:, 1]
+    except Exception as e:  # noqa: BLE001 - no vLLM, no FA3 build, or no memory: skip it
+        skip(row, fields, e)
+        return
+    key_cache, value_cache = cache.split(D, dim=-1)
+    block_table = table.view(1, -1)
+    seqused_k = torch.tensor([t], device=kv.device, dtype=torch.int32)
+
+    def call(qq):
+        # everything the call reads is made here, outside any graph capture
+        nq = qq.shape[0]
+        cu_seqlens_q = torch.tensor([0, nq], device=kv.device, dtype=torch.int32)
+        out = torch.empty_like(qq)
+
+        # num_splits=0: FA3's own split heuristic, as vLLM runs it outside full CUDA graphs
+        def run():
+            return flash_attn_varlen_func(
+                q=qq, k=key_cache, v=value_cache, out=out, cu_seqlens_q=cu_seqlens_q,
+                max_seqlen_q=nq, seqused_k=seqused_k, max_seqlen_k=t, softmax_scale=scale,
+                causal=True, block_table=block_table, fa_version=3,
+            )
+        return run
+
+    measure(row, "decode_us_fa3", call(q), refs["decode"])
+    measure(row, "prefill_ms_fa3", call(qp), refs["prefill"])
+
+
+def xformers_baseline(row, k, v, q, qp, t: int, scale: float, refs: dict) -> None:
+    """xformers.ops.fmha on the contiguous K/V (its paged path needs the flash_attn package), GQA
+    as 5-D [B, M, G, H, K] with the K/V heads broadcast (stride 0), so nothing is copied. Without
+    its compiled extension it dispatches to PyTorch's flash / mem-efficient kernels or its Triton
+    split-K; the op picked goes in the row. The prefill chunk's mask is causal from the bottom
+    right: the chunk's last query sees the last key."""
+    fields = ("decode_us_xformers", "prefill_ms_xformers", "decode_us_xformers_splitk")
+    try:
+        from xformers.ops import fmha
+    except Exception as e:  # noqa: BLE001
+        skip(row, fields, e)
+        return
+    g = HQ // HKV
+    kx = k.view(1, t, HKV, 1, D).expand(1, t, HKV, g, D)
+    vx = v.view(1, t, HKV, 1, D).expand(1, t, HKV, g, D)
+    qdx = q.view(1, 1, HKV, g, D)
+    qpx = qp.view(1, qp.shape[0], HKV, g, D)
+    causal = fmha.attn_bias.LowerTriangularFromBottomRightMask()
+
+    def attend(qq, bias=None, op=None):
+        return lambda: fmha.memory_efficient_attention_forward(
+            qq, kx, vx, attn_bias=bias, scale=scale, op=op
+        )
+
+    try:  # private API, only to say which kernel the numbers belong to
+        row["xformers_ops"] = {
+            name: fmha._dispatch_fw(
+                fmha.Inputs(query=qq, key=kx, value=vx, attn_bias=bias, scale=scale), False
+            ).NAME
+            for name, qq, bias in (("decode", qdx, None), ("prefill", qpx, causal))
+        }
+    except Exception as e:  # noqa: BLE001
+        row["xformers_ops"] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())}"[:2000]}
+    measure(row, "decode_us_xformers", attend(qdx), refs["decode"])
+    measure(row, "prefill_ms_xformers", attend(qpx, causal), refs["prefill"])
+    # the default dispatch sends a GQA decode to PyTorch's own flash kernel; split-K is xformers'
+    try:
+        splitk = fmha.triton_splitk.FwOp
+    except Exception as e:  # noqa: BLE001
+        skip(row, ("decode_us_xformers_splitk",), e)
+        return
+    measure(row, "decode_us_xformers_splitk", attend(qdx, op=splitk), refs["decode"])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+",
                         default=[32768, 131072, 524288, 1048576])
     parser.add_argument("--preset", default="3k-fast")
+    parser.add_argument("--baselines", nargs="*", choices=BASELINES, default=list(BASELINES),
+                        help="dense baselines besides SDPA (none: just --baselines)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
     cfg = InfiniteHiPConfig.from_user({"preset": args.preset})
     bw = copy_bandwidth()
     gpu = torch.cuda.get_device_name()
@@ -245,6 +411,7 @@ def main() -> int:
         "gpu": gpu,
         "command": "python " + " ".join(sys.argv),
         "copy_bandwidth_TBps": bw / 1e12,
+        "baselines": list(args.baselines),
         "rows": rows,
     }
     out = Path(args.out)
@@ -252,7 +419,7 @@ def main() -> int:
     tag = "gpu" if torch.cuda.is_available() else "cpu"
     path = out / f"attention-{tag}-{date}.json"
     for t in args.contexts:
-        row = run_context(t, cfg, bw)
+        row = run_context(t, cfg, bw, tuple(args.baselines))
         rows.append(row)
         print(json.dumps(row))
         path.write_text(json.dumps(result, indent=2))  # keep what is done if a later size fails
@@ -262,15 +429,46 @@ def main() -> int:
     return 0
 
 
+def _cell(r: dict, key: str, width: int, fmt: str) -> str:
+    value = r.get(key)
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{fmt}}"
+
+
 def print_table(result: dict) -> None:
-    hdr = (f"{'context':>8} {'dec dense µs':>12} {'refresh µs':>10} {'reuse µs':>9} "
-           f"{'amort µs':>9} {'dec ×':>7} {'pre dense ms':>12} {'pre ms':>8} {'pre ×':>7} {'recall':>7}")
-    print(hdr)
-    for r in result["rows"]:
-        print(f"{r['context']:>8} {r['decode_us_dense']:>12.1f} {r['decode_us_refresh']:>10.1f} "
-              f"{r['decode_us_reuse']:>9.1f} {r['decode_us_amortized']:>9.1f} "
-              f"{r['decode_speedup_vs_dense_amortized']:>7.1f} {r['prefill_ms_dense']:>12.1f} "
-              f"{r['prefill_ms']:>8.1f} {r['prefill_speedup_vs_dense']:>7.1f} {r['recall_decode']:>7.3f}")
+    """Decode and prefill tables; '-' where a baseline was not run or failed (reasons below)."""
+    rows = result["rows"]
+    decode = [("context", "context", 8, "d"),
+              ("dense µs", "decode_us_dense", 9, ".1f"),
+              ("fa3 µs", "decode_us_fa3", 9, ".1f"),
+              ("xf µs", "decode_us_xformers", 9, ".1f"),
+              ("xf-splitk", "decode_us_xformers_splitk", 9, ".1f"),
+              ("refresh µs", "decode_us_refresh", 10, ".1f"),
+              ("reuse µs", "decode_us_reuse", 9, ".1f"),
+              ("amort µs", "decode_us_amortized", 9, ".1f"),
+              ("×dense", "decode_speedup_vs_dense_amortized", 7, ".2f"),
+              ("×fa3", "decode_speedup_vs_fa3_amortized", 7, ".2f"),
+              ("×xf", "decode_speedup_vs_xformers_amortized", 7, ".2f"),
+              ("recall", "recall_decode", 7, ".3f")]
+    prefill = [("context", "context", 8, "d"),
+               ("dense ms", "prefill_ms_dense", 9, ".1f"),
+               ("fa3 ms", "prefill_ms_fa3", 9, ".1f"),
+               ("xf ms", "prefill_ms_xformers", 9, ".1f"),
+               ("ours ms", "prefill_ms", 9, ".1f"),
+               ("×dense", "prefill_speedup_vs_dense", 7, ".2f"),
+               ("×fa3", "prefill_speedup_vs_fa3", 7, ".2f"),
+               ("×xf", "prefill_speedup_vs_xformers", 7, ".2f")]
+    for title, cols in (("decode, one layer (× = baseline / ours amortized)", decode),
+                        (f"{PREFILL_CHUNK // 1024}K-query prefill chunk (× = baseline / ours)",
+                         prefill)):
+        print(title)
+        print(" ".join(f"{name:>{w}}" for name, _, w, _ in cols))
+        for r in rows:
+            print(" ".join(_cell(r, key, w, fmt) for _, key, w, fmt in cols))
+    for r in rows:
+        for key in sorted(k for k in r if k.endswith("_error")):
+            print(f"{r['context']:>8} {key}: {r[key][:300]}")
+        if r.get("xformers_ops"):
+            print(f"{r['context']:>8} xformers ops: {str(r['xformers_ops'])[:300]}")
 
 
 if __name__ == "__main__":

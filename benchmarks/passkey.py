@@ -7,7 +7,8 @@ the default backend gets the same rotary cache through ``hf_overrides``, and is 
 past the trained length). Writes, under ``--out``:
 
 - ``passkey-<cpu|gpu>-<date>.json``: rows ``{model, trained_context, context, depth, backend,
-  accuracy, n}``, a PNG heatmap per backend (length x depth) beside it, and a printed table;
+  config, accuracy, n}`` (``config``: the infinitehip settings of that engine, ``--infinitehip``
+  takes several to compare), a PNG heatmap per backend (length x depth) beside it, and a printed table;
 - ``recall-<cpu|gpu>-<date>.json``: attention-mass recall of the final prompt query on the real
   model's Q/K, rows ``{model, trained_context, context, depth, layer, recall, recall_min_head}``
   (share of the dense softmax mass on the keys infinitehip attended; mean over heads, and the
@@ -39,9 +40,9 @@ def engine_kwargs(backend: str, max_len: int, device: str, hip: dict) -> dict:
         kw.update(dtype="float32", enforce_eager=True, compilation_config={"mode": 0},
                   kv_cache_memory_bytes=4 << 30)
     else:
-        # bf16: vLLM's default GPU backend (FlashAttention) has no fp32 kernels. 0.3 of the GPU
+        # bf16: vLLM's default GPU backend (FlashAttention) has no fp32 kernels. 0.15 of the GPU
         # each: an engine deleted in-process does not hand all its memory back.
-        kw.update(dtype="bfloat16", gpu_memory_utilization=0.3, max_num_batched_tokens=16384)
+        kw.update(dtype="bfloat16", gpu_memory_utilization=0.15, max_num_batched_tokens=16384)
     if backend == "infinitehip":
         kw.update(attention_backend="infinitehip", additional_config={"infinitehip": hip})
     else:
@@ -56,22 +57,23 @@ class Results:
         self.date = datetime.date.today().isoformat()
         self.paths = {n: out / f"{n}-{device}-{self.date}.json" for n in ("passkey", "recall")}
         self.gpu, self.model, self.trained = gpu, model, trained
-        self.hits: dict[tuple[str, int, float], list[bool]] = {}
+        self.hits: dict[tuple[str, str, int, float], list[bool]] = {}
         self.recall: list[dict] = []
         out.mkdir(parents=True, exist_ok=True)
 
-    def add(self, backend: str, context: int, depth: float, correct: bool, recall: list[dict]):
-        self.hits.setdefault((backend, context, depth), []).append(correct)
-        base = {"model": self.model, "trained_context": self.trained, "context": context,
-                "depth": depth}
+    def add(self, backend: str, config: str, context: int, depth: float, correct: bool,
+            recall: list[dict]):
+        self.hits.setdefault((backend, config, context, depth), []).append(correct)
+        base = {"model": self.model, "trained_context": self.trained, "config": config,
+                "context": context, "depth": depth}
         self.recall.extend({**base, **{k: r[k] for k in ("layer", "recall", "recall_min_head")}}
                            for r in recall)
         self.write()
 
     def passkey_rows(self) -> list[dict]:
         return [{"model": self.model, "trained_context": self.trained, "context": n, "depth": d,
-                 "backend": b, "accuracy": sum(h) / len(h), "n": len(h)}
-                for (b, n, d), h in sorted(self.hits.items())]
+                 "backend": b, "config": c, "accuracy": sum(h) / len(h), "n": len(h)}
+                for (b, c, n, d), h in sorted(self.hits.items())]
 
     def write(self) -> None:
         command = "python " + " ".join(sys.argv)
@@ -91,6 +93,7 @@ def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip:
 
     llm = LLM(model, **engine_kwargs(backend, max_len, device, hip))
     name = "infinitehip" if backend == "infinitehip" else "default"
+    config = json.dumps(hip, sort_keys=True) if name == "infinitehip" else ""
     params = SamplingParams(temperature=0, max_tokens=8)
     for context, depth, prompt in tqdm(cells, desc=name, unit="prompt"):
         if time.monotonic() > deadline:
@@ -104,7 +107,10 @@ def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip:
             # the prompt's final query, in its last prefill chunk
             recall = [r for r in llm.collective_rpc(collect_recall, kwargs={"enable": False})[0]
                       if r["seq_len"] == prompt.num_tokens]
-        results.add(name, context, depth, prompt.is_correct(out[0].outputs[0].text), recall)
+        answer = out[0].outputs[0].text
+        if not prompt.is_correct(answer):
+            tqdm.write(f"{name}{config} {context}/{depth}: wanted {prompt.passkey}, got {answer!r}")
+        results.add(name, config, context, depth, prompt.is_correct(answer), recall)
     del llm
     gc.collect()
 
@@ -112,17 +118,21 @@ def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip:
 def print_tables(results: Results, lengths: list[int], depths: list[float]) -> None:
     rows = results.passkey_rows()
     print(f"\n{'backend':<12} {'context':>8} " + " ".join(f"d={d:<4}" for d in depths) + "  mean")
-    for backend in sorted({r["backend"] for r in rows}):
+    for backend, config in sorted({(r["backend"], r["config"]) for r in rows}):
+        if config not in ("", "{}"):
+            print(f"  {config}")
         for n in lengths:
             accs = {r["depth"]: r["accuracy"] for r in rows
-                    if r["backend"] == backend and r["context"] == n}
+                    if (r["backend"], r["config"]) == (backend, config) and r["context"] == n}
             if accs:
                 cells = " ".join(f"{accs[d]:>6.2f}" if d in accs else "     -" for d in depths)
                 print(f"{backend:<12} {n:>8} {cells}  {sum(accs.values()) / len(accs):.2f}")
     if results.recall:
         print(f"\n{'context':>8} {'mean recall':>12} {'worst layer':>12} {'worst head':>11}")
         for n in lengths:
-            rs = [r for r in results.recall if r["context"] == n]
+            # the first configuration's recall (the default settings unless told otherwise)
+            first = results.recall[0]["config"]
+            rs = [r for r in results.recall if r["context"] == n and r["config"] == first]
             if not rs:
                 continue
             by_layer: dict[int, list[float]] = {}
@@ -142,7 +152,8 @@ def main() -> int:
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     parser.add_argument("--n", type=int, default=1, help="prompts per (length, depth)")
     parser.add_argument("--backends", nargs="+", default=["infinitehip", "default"])
-    parser.add_argument("--infinitehip", default="{}", help="JSON for additional_config")
+    parser.add_argument("--infinitehip", nargs="+", default=["{}"],
+                        help="JSON settings for additional_config; several: one engine each")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--time-budget", type=float, default=float("inf"),
                         help="seconds; prompts not started by then are skipped")
@@ -166,8 +177,9 @@ def main() -> int:
     gpu = torch.cuda.get_device_name() if device == "gpu" else "cpu"
     results = Results(Path(args.out), device, gpu, args.model, trained)
     for backend in args.backends:
-        run_backend(model, backend, cells, max_len, device, json.loads(args.infinitehip),
-                    results, deadline)
+        for hip in args.infinitehip if backend == "infinitehip" else ["{}"]:
+            run_backend(model, backend, cells, max_len, device, json.loads(hip), results,
+                        deadline)
     print_tables(results, sorted(args.lengths), args.depths)
     from plot import plot_passkey, plot_recall  # benchmarks/plot.py, beside this file
 

@@ -1,6 +1,6 @@
 """Plot a benchmark results JSON: ``python benchmarks/plot.py benchmarks/results/attention-gpu-DATE.json``.
 
-Writes the PNG beside the JSON (latency vs context, log-log; dense vs InfiniteHiP).
+Writes the PNG beside the JSON (latency vs context, log-log; dense baselines vs InfiniteHiP).
 """
 
 from __future__ import annotations
@@ -18,14 +18,27 @@ def plot_attention(result: dict, out: Path) -> None:
 
     rows = result["rows"]
     ctx = [r["context"] for r in rows]
+
+    def line(ax, key: str, style: str, label: str) -> None:
+        # a baseline that failed or was not run at some context is a gap (NaN), and one absent
+        # everywhere (older results, or all failed) is left out of the legend
+        ys = [float("nan") if r.get(key) is None else r[key] for r in rows]
+        if any(y == y for y in ys):
+            ax.loglog(ctx, ys, style, label=label)
+
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    a.loglog(ctx, [r["decode_us_dense"] for r in rows], "o-", label="dense SDPA (flash)")
-    a.loglog(ctx, [r["decode_us_amortized"] for r in rows], "s-", label="InfiniteHiP, amortized")
-    a.loglog(ctx, [r["decode_us_refresh"] for r in rows], "^--", label="InfiniteHiP, full refresh")
-    a.loglog(ctx, [r["decode_us_reuse"] for r in rows], "v--", label="InfiniteHiP, mask reuse")
+    line(a, "decode_us_dense", "o-", "dense SDPA (flash)")
+    line(a, "decode_us_fa3", "D-", "vLLM FLASH_ATTN (FA3), paged")
+    line(a, "decode_us_xformers", "P-", "xformers fmha")
+    line(a, "decode_us_xformers_splitk", "X:", "xformers Triton split-K")
+    line(a, "decode_us_amortized", "s-", "InfiniteHiP, amortized")
+    line(a, "decode_us_refresh", "^--", "InfiniteHiP, full refresh")
+    line(a, "decode_us_reuse", "v--", "InfiniteHiP, mask reuse")
     a.set(title="decode, one layer", xlabel="context (tokens)", ylabel="µs")
-    b.loglog(ctx, [r["prefill_ms_dense"] for r in rows], "o-", label="dense SDPA (flash)")
-    b.loglog(ctx, [r["prefill_ms"] for r in rows], "s-", label="InfiniteHiP")
+    line(b, "prefill_ms_dense", "o-", "dense SDPA (flash)")
+    line(b, "prefill_ms_fa3", "D-", "vLLM FLASH_ATTN (FA3), paged")
+    line(b, "prefill_ms_xformers", "P-", "xformers fmha")
+    line(b, "prefill_ms", "s-", "InfiniteHiP")
     b.set(title="32K-query prefill chunk, one layer", xlabel="context (tokens)", ylabel="ms")
     for ax in (a, b):
         ax.grid(True, which="both", alpha=0.3)
@@ -42,7 +55,10 @@ def plot_passkey(result: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
+    # one heatmap per backend: the default one, and infinitehip with default settings (or the
+    # first settings compared)
+    hip = sorted({r["config"] for r in result["rows"] if r.get("config")}, key=lambda c: (c != "{}", c))
+    rows = [r for r in result["rows"] if r.get("config", "") in ("", *hip[:1])]
     backends = sorted({r["backend"] for r in rows})
     lengths = sorted({r["context"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
@@ -71,7 +87,8 @@ def plot_recall(result: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
+    first = result["rows"][0].get("config")
+    rows = [r for r in result["rows"] if r.get("config") == first]
     fig, ax = plt.subplots(figsize=(7, 3.8))
     for n in sorted({r["context"] for r in rows}):
         by_layer: dict[int, list[float]] = {}
