@@ -293,17 +293,21 @@ def _select_rep_kernel(
     tl.store(out_ptr + blk * stride_ob + head * stride_oh + offs_c * stride_oc, best, mask=c_in)
 
 
-def _launch_config(head_dim: int, rope: bool = False) -> tuple[int, int]:
-    """(BLOCK_CHUNK, num_warps): two [BLOCK_CHUNK, D] key tiles per step must fit in registers.
+def _launch_config(head_dim: int, rope: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_CHUNK, num_warps, num_stages): two [BLOCK_CHUNK, D] key tiles per step must fit in
+    registers.
 
     On an H200 (D=128, 64K-1M keys, decode and 16-block prefill) 64 chunks with 8 warps was
     within noise of the best of {16, 32, 64} x {2, 4, 8}; fewer warps spill in the fp32 modes
     (``"ieee"`` ran 6-8x slower with 4 warps than with 8). A rotation holds about three more
-    tiles of that size live (pair partners, cos, sin), so it takes half as many chunks. That
-    choice has not been tuned on a GPU.
+    tiles of that size live (pair partners, cos, sin): with 32 chunks at D=128 and the default
+    software pipelining it asked for 240 KiB of shared memory on the H200 (limit 227 KiB), so it
+    takes a quarter of the chunks above D=64 and no pipelining. Not tuned for speed.
     """
     block_chunk = 32 if head_dim > 128 else 64
-    return (block_chunk // 2 if rope else block_chunk), 8
+    if not rope:
+        return block_chunk, 8, 3
+    return (block_chunk // 4 if head_dim > 64 else block_chunk // 2), 8, 1
 
 
 def _bisect_steps(chunk_size: int) -> int:
@@ -422,7 +426,7 @@ def select_rep_scores_paged(
     if nb == 0 or c == 0:
         return per_head_out.new_empty(nb, c)
 
-    block_chunk, num_warps = _launch_config(d, rope=key_rotation is not None)
+    block_chunk, num_warps, num_stages = _launch_config(d, rope=key_rotation is not None)
     # tl.dot needs every dimension >= 16; padding rows are masked as absent queries.
     block_q = max(16, triton.next_power_of_2(nq))
     block_d = max(16, triton.next_power_of_2(d))
@@ -469,6 +473,7 @@ def select_rep_scores_paged(
         BLOCK_Q=block_q,
         BLOCK_D=block_d,
         num_warps=num_warps,
+        num_stages=num_stages,
         **rope_meta,
     )
     return per_head_out.amax(dim=1)
