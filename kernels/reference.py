@@ -346,25 +346,44 @@ def run_stages(
         else:
             qp = pool_queries(q, bq, st.query_stride) * scale
             scores = _stage_scores(params, qp, k, cand, st.chunk_size, key_limit, block_min_pos)
-        top_scores, top_idx = torch.topk(scores, keep, dim=1)
-        kept_valid = ~torch.isneginf(top_scores)
-        kept_starts = torch.gather(cand.starts, 1, top_idx)
-        # Realign to chunk starts is implicit (we never store narrowed ranges); sort by
-        # position, invalid ones last, so later ordinals (chunk-indexed RoPE) are stable.
-        order_key = torch.where(kept_valid, kept_starts, torch.full_like(kept_starts, 1 << 62))
-        order = torch.argsort(order_key, dim=1, stable=True)
-        kept_starts = torch.gather(kept_starts, 1, order)
-        kept_valid = torch.gather(kept_valid, 1, order)
+        kept_starts, kept_valid = keep_top_chunks(scores, cand, keep)
         if i == n_stages - 1:
             return PruneResult(kept_starts, kept_valid, stage_inputs)
-        nxt = params.stages[i + 1].chunk_size
-        split = st.chunk_size // nxt
-        offs = torch.arange(split, device=q.device) * nxt
-        sub_starts = (kept_starts.unsqueeze(-1) + offs).reshape(n_blocks, -1)
-        sub_valid = kept_valid.unsqueeze(-1).expand(-1, -1, split).reshape(n_blocks, -1)
-        sub_valid = sub_valid & (sub_starts < key_limit.view(-1, 1))
-        cand = Candidates(sub_starts, sub_valid)
+        cand = split_chunks(
+            kept_starts, kept_valid, st.chunk_size, params.stages[i + 1].chunk_size, key_limit
+        )
     raise AssertionError("unreachable: at least one stage runs")
+
+
+def keep_top_chunks(
+    scores: torch.Tensor, cand: Candidates, keep: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``keep`` chunks per block by score, sorted by start with the invalid ones last (§1.5).
+
+    Realigning to chunk starts is implicit (narrowed ranges are never stored). The sort is by
+    position and stable, so the ordinals chunk-indexed RoPE reads are the same every time.
+    Static shapes, no host sync.
+    """
+    top_scores, top_idx = torch.topk(scores, keep, dim=1)
+    kept_valid = ~torch.isneginf(top_scores)
+    kept_starts = torch.gather(cand.starts, 1, top_idx)
+    order_key = torch.where(kept_valid, kept_starts, torch.full_like(kept_starts, 1 << 62))
+    order = torch.argsort(order_key, dim=1, stable=True)
+    return torch.gather(kept_starts, 1, order), torch.gather(kept_valid, 1, order)
+
+
+def split_chunks(
+    starts: torch.Tensor, valid: torch.Tensor, chunk: int, sub: int, key_limit: torch.Tensor
+) -> Candidates:
+    """Each surviving ``chunk``-wide chunk becomes ``chunk // sub`` sub-chunks (§1.5); those
+    starting at or past a block's ``key_limit`` are invalid."""
+    n_blocks, kept = starts.shape
+    split = chunk // sub
+    offs = torch.arange(split, device=starts.device) * sub
+    # Explicit widths (not -1): a request with no query block still has a well-defined shape.
+    sub_starts = (starts.unsqueeze(-1) + offs).reshape(n_blocks, kept * split)
+    sub_valid = valid.unsqueeze(-1).expand(-1, -1, split).reshape(n_blocks, kept * split)
+    return Candidates(sub_starts, sub_valid & (sub_starts < key_limit.view(-1, 1)))
 
 
 def _stage_scores(

@@ -480,33 +480,6 @@ def select_rep_scores_paged(
 
 
 # --------------------------------------------------------------------------- the cascade
-def _keep_top(
-    scores: torch.Tensor, cand: ref.Candidates, keep: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``keep`` chunks per block, sorted by start with the invalid ones last (§1.5)."""
-    top_scores, top_idx = torch.topk(scores, keep, dim=1)
-    kept_valid = ~torch.isneginf(top_scores)
-    kept_starts = torch.gather(cand.starts, 1, top_idx)
-    # Ordinals feed chunk-indexed RoPE, so the order must be by position, and stable.
-    order_key = torch.where(kept_valid, kept_starts, torch.full_like(kept_starts, 1 << 62))
-    order = torch.argsort(order_key, dim=1, stable=True)
-    return torch.gather(kept_starts, 1, order), torch.gather(kept_valid, 1, order)
-
-
-def _split(
-    starts: torch.Tensor, valid: torch.Tensor, chunk: int, sub: int, key_limit: torch.Tensor
-) -> ref.Candidates:
-    """Each surviving ``chunk``-wide chunk becomes ``chunk // sub`` sub-chunks (§1.5)."""
-    n_blocks, kept = starts.shape
-    split = chunk // sub
-    offs = torch.arange(split, device=starts.device) * sub
-    # Explicit widths (not -1): a request with no query block still has a well-defined shape.
-    sub_starts = (starts.unsqueeze(-1) + offs).reshape(n_blocks, kept * split)
-    sub_valid = valid.unsqueeze(-1).expand(-1, -1, split).reshape(n_blocks, kept * split)
-    sub_valid = sub_valid & (sub_starts < key_limit.view(-1, 1))
-    return ref.Candidates(sub_starts, sub_valid)
-
-
 def run_stages_paged(
     params: ref.PruneParams,
     q: torch.Tensor,
@@ -614,9 +587,10 @@ def run_stages_paged(
             q_pooled_right=q_right,
             key_rotation=rotation,
         )
-        kept_starts, kept_valid = _keep_top(scores, cand, keep)
+        kept_starts, kept_valid = ref.keep_top_chunks(scores, cand, keep)
         if i == n_stages - 1:
             return ref.PruneResult(kept_starts, kept_valid, stage_inputs)
-        cand = _split(kept_starts, kept_valid, st.chunk_size, params.stages[i + 1].chunk_size,
-                      key_limit)  # fmt: skip
+        cand = ref.split_chunks(
+            kept_starts, kept_valid, st.chunk_size, params.stages[i + 1].chunk_size, key_limit
+        )
     raise ValueError(f"start_stage={start_stage} leaves no stage to run (have {n_stages})")

@@ -79,3 +79,30 @@ def test_unsupported_rope_type_names_the_flag(tmp_path, short_trained_model):
     compat._extend_context(args)
     assert args.hf_overrides == {"max_position_embeddings": 40000}
     assert args.additional_config["infinitehip"]["trained_context"] == TRAINED
+
+
+def test_smollm2_retrieves_a_passkey_at_twice_its_trained_length(tmp_path):
+    """The real model, served at 2x its trained 8K, one prompt: the needle sits mid-prompt, 8K
+    tokens back and outside every window, so the pruning must find it and the remapped positions
+    keep it readable (benchmarks/results/passkey-cpu-2026-11-30.json has this prompt; the default
+    backend fails every 16K cell on the H200). Shallower needles at 16K still fail, so this is
+    one prompt, not a retrieval rate."""
+    from transformers import AutoTokenizer
+
+    from vllm_infinitehip.offline_models import smollm2_135m
+    from vllm_infinitehip.passkey import make_passkey_prompt
+
+    model = str(smollm2_135m())
+    tok = AutoTokenizer.from_pretrained(model)
+    prompt = make_passkey_prompt(tok, 16384, depth=0.5, seed=50)
+    assert prompt.num_tokens > 2 * 8192 - 512
+    engine = {**ENGINE_KW, "max_model_len": prompt.num_tokens + 64, "max_num_seqs": 1,
+              "max_num_batched_tokens": 8192, "kv_cache_memory_bytes": 2 << 30}
+    spec = {"engine": engine, "prompts": [prompt.text], "max_tokens": 8, "report": True}
+    (tmp_path / "in.json").write_text(json.dumps(spec))
+    subprocess.run([sys.executable, str(HELPER), model, "infinitehip", str(tmp_path / "in.json"),
+                    str(tmp_path / "out.json")], check=True, timeout=1500)
+    out = json.loads((tmp_path / "out.json").read_text())
+    answer = tok.decode(out["tokens"][0])
+    assert out["report"]["trained_context"] == 8192
+    assert prompt.is_correct(answer), f"wanted {prompt.passkey}, got {answer!r}"
