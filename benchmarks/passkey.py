@@ -9,8 +9,9 @@ past the trained length). Writes, under ``--out``:
 - ``passkey-<cpu|gpu>-<date>.json``: rows ``{model, trained_context, context, depth, backend,
   config, accuracy, n}`` (``config``: the infinitehip settings of that engine, ``--infinitehip``
   takes several to compare), a PNG heatmap per backend (length x depth) beside it, and a printed table;
-- ``recall-<cpu|gpu>-<date>.json``: attention-mass recall of the final prompt query on the real
-  model's Q/K, rows ``{model, trained_context, context, depth, layer, recall, recall_min_head}``
+- ``recall-<cpu|gpu>-<date>.json``: attention-mass recall on the real model's Q/K, of the final
+  prompt query and of each decode query, rows ``{model, trained_context, config, context, depth,
+  query, layer, seq_len, recall, recall_min_head}``
   (share of the dense softmax mass on the keys infinitehip attended; mean over heads, and the
   worst head), and a per-layer plot.
 
@@ -66,8 +67,8 @@ class Results:
         self.hits.setdefault((backend, config, context, depth), []).append(correct)
         base = {"model": self.model, "trained_context": self.trained, "config": config,
                 "context": context, "depth": depth}
-        self.recall.extend({**base, **{k: r[k] for k in ("layer", "recall", "recall_min_head")}}
-                           for r in recall)
+        fields = ("query", "layer", "seq_len", "recall", "recall_min_head")
+        self.recall.extend({**base, **{k: r[k] for k in fields}} for r in recall)
         self.write()
 
     def passkey_rows(self) -> list[dict]:
@@ -104,9 +105,9 @@ def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip:
         out = llm.generate([prompt.text], params, use_tqdm=False)
         recall = []
         if name == "infinitehip":
-            # the prompt's final query, in its last prefill chunk
+            # the prompt's final query (in its last prefill chunk) and the decode steps
             recall = [r for r in llm.collective_rpc(collect_recall, kwargs={"enable": False})[0]
-                      if r["seq_len"] == prompt.num_tokens]
+                      if r["query"] == "decode" or r["seq_len"] == prompt.num_tokens]
         answer = out[0].outputs[0].text
         if not prompt.is_correct(answer):
             tqdm.write(f"{name}{config} {context}/{depth}: wanted {prompt.passkey}, got {answer!r}")
@@ -128,21 +129,25 @@ def print_tables(results: Results, lengths: list[int], depths: list[float]) -> N
                 cells = " ".join(f"{accs[d]:>6.2f}" if d in accs else "     -" for d in depths)
                 print(f"{backend:<12} {n:>8} {cells}  {sum(accs.values()) / len(accs):.2f}")
     if results.recall:
-        print(f"\n{'context':>8} {'mean recall':>12} {'worst layer':>12} {'worst head':>11}")
-        for n in lengths:
-            # the first configuration's recall (the default settings unless told otherwise)
-            first = results.recall[0]["config"]
-            rs = [r for r in results.recall if r["context"] == n and r["config"] == first]
-            if not rs:
-                continue
-            by_layer: dict[int, list[float]] = {}
-            for r in rs:
-                by_layer.setdefault(r["layer"], []).append(r["recall"])
-            layer_means = {k: sum(v) / len(v) for k, v in by_layer.items()}
-            worst = min(layer_means, key=layer_means.get)
-            mean = sum(layer_means.values()) / len(layer_means)
-            print(f"{n:>8} {mean:>12.3f} {f'L{worst} {layer_means[worst]:.3f}':>12} "
-                  f"{min(r['recall_min_head'] for r in rs):>11.3f}")
+        # the first settings' recall (the default settings unless told otherwise)
+        first = results.recall[0]["config"]
+        print(f"\n{'query':<13} {'context':>8} {'mean recall':>12} {'worst layer':>12} "
+              f"{'worst head':>11}")
+        for query in ("final-prompt", "decode"):
+            for n in lengths:
+                rs = [r for r in results.recall
+                      if r["context"] == n and r["config"] == first and r["query"] == query]
+                if not rs:
+                    continue
+                by_layer: dict[int, list[float]] = {}
+                for r in rs:
+                    by_layer.setdefault(r["layer"], []).append(r["recall"])
+                layer_means = {k: sum(v) / len(v) for k, v in by_layer.items()}
+                worst = min(layer_means, key=layer_means.get)
+                mean = sum(layer_means.values()) / len(layer_means)
+                print(f"{query:<13} {n:>8} {mean:>12.3f} "
+                      f"{f'L{worst} {layer_means[worst]:.3f}':>12} "
+                      f"{min(r['recall_min_head'] for r in rs):>11.3f}")
 
 
 def main() -> int:

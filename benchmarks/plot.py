@@ -81,7 +81,8 @@ def plot_passkey(result: dict, out: Path) -> None:
 
 
 def plot_recall(result: dict, out: Path) -> None:
-    """Attention-mass recall by layer, one line per context length (mean over prompts)."""
+    """Attention-mass recall by layer, one line per context length and query kind (mean over
+    prompts): solid for the final prompt query, dashed for decode queries."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -90,18 +91,20 @@ def plot_recall(result: dict, out: Path) -> None:
     first = result["rows"][0].get("config")
     rows = [r for r in result["rows"] if r.get("config") == first]
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    for n in sorted({r["context"] for r in rows}):
-        by_layer: dict[int, list[float]] = {}
-        for r in rows:
-            if r["context"] == n:
-                by_layer.setdefault(r["layer"], []).append(r["recall"])
-        layers = sorted(by_layer)
-        ax.plot(layers, [sum(by_layer[k]) / len(by_layer[k]) for k in layers], marker="o",
-                markersize=3, label=f"{n // 1024}K")
+    for query, style in (("final-prompt", "-"), ("decode", "--")):
+        for n in sorted({r["context"] for r in rows}):
+            by_layer: dict[int, list[float]] = {}
+            for r in rows:
+                if r["context"] == n and r.get("query", "final-prompt") == query:
+                    by_layer.setdefault(r["layer"], []).append(r["recall"])
+            layers = sorted(by_layer)
+            if layers:
+                ax.plot(layers, [sum(by_layer[k]) / len(by_layer[k]) for k in layers], style,
+                        marker="o", markersize=3, label=f"{n // 1024}K {query}")
     ax.set(xlabel="layer", ylabel="attention-mass recall", ylim=(0, 1.02),
-           title=f"{rows[0]['model']} final prompt query, {result['gpu']}, {result['date']}")
+           title=f"{rows[0]['model']}, {result['gpu']}, {result['date']}")
     ax.axhline(0.95, color="grey", linestyle=":", linewidth=1)
-    ax.legend(title="context")
+    ax.legend(title="context, query", fontsize=7)
     fig.savefig(out, dpi=110, bbox_inches="tight")
 
 

@@ -289,12 +289,12 @@ class InfiniteHiPImpl(AttentionImpl):
             outs.append(o)
             attended += n
         if self.recall_log is not None:
-            self._log_recall(p, req, q[-1:], positions[-1:], prune)
+            self._log_recall("final-prompt", p, req, q[-1:], positions[-1:], prune)
         return torch.cat(outs) if len(outs) > 1 else outs[0], attended
 
     def _log_recall(
-        self, params: ref.PruneParams, req: RequestKV, q: torch.Tensor, positions: torch.Tensor,
-        prune: ref.PruneResult,
+        self, query: str, params: ref.PruneParams, req: RequestKV, q: torch.Tensor,
+        positions: torch.Tensor, prune: ref.PruneResult,
     ) -> None:
         """Dense softmax mass on the keys the final query attended (exact, reference math)."""
         from vllm.model_executor.models.utils import extract_layer_index
@@ -305,7 +305,7 @@ class InfiniteHiPImpl(AttentionImpl):
         )
         recall = ref.attention_recall(q, k, positions, mask, self.scale)[0]
         self.recall_log.append({
-            "layer": extract_layer_index(self._layer_name), "seq_len": req.seq_len,
+            "query": query, "layer": extract_layer_index(self._layer_name), "seq_len": req.seq_len,
             "recall": float(recall.mean()), "recall_min_head": float(recall.min()),
         })  # fmt: skip
 
@@ -362,6 +362,8 @@ class InfiniteHiPImpl(AttentionImpl):
                 level = m.refresh_levels[i]
                 prune = self._decode_mask(ops, params, state, level, req, q, positions)
                 o, attended = ops.attend(params, req, q, positions, self.scale, prune)
+                if self.recall_log is not None:
+                    self._log_recall("decode", params, req, q, positions, prune)
                 self.stats.sparse_decode_queries += 1
                 self.stats.count_refresh(level, n_stages)
             out[lo:hi] = o

@@ -59,12 +59,13 @@ def _impls(worker: Any) -> list:
 
 
 def collect_recall(worker: Any, enable: bool = True) -> list[dict[str, Any]]:
-    """Attention-mass recall of each sparse prefill's final query, per layer, since last call.
+    """Attention-mass recall, per layer, since the last call: of each sparse prefill chunk's final
+    query (``"query": "final-prompt"``) and of each sparse decode query (``"decode"``).
 
     ``llm.collective_rpc(collect_recall)`` turns logging on (``enable=False`` turns it off) and
-    returns what was logged: ``{"layer", "seq_len", "recall", "recall_min_head"}`` per layer and
-    prefill chunk. Recall is the share of the dense softmax mass (true positions) that falls on
-    the keys the query attended; it costs one dense score row per layer, so leave it off when
+    returns what was logged: ``{"query", "layer", "seq_len", "recall", "recall_min_head"}``.
+    Recall is the share of the dense softmax mass (true positions) that falls on the keys the
+    query attended; it costs one dense score row per layer and query, so leave it off when
     serving.
     """
     records: list[dict[str, Any]] = []
