@@ -88,10 +88,10 @@ class InfiniteHiPConfig:
       that produce the first output token) attend with this larger window. ``"auto"`` (the
       authors' code): trained length - sink - the layer's final budget - block_size_q, so sink,
       selected and window together span the trained length; ``null``: off.
-    - ``prefill_final_query_own_mask``: the last query of every prefill chunk is pruned on its own,
-      as a decode query is (b_q = 1), instead of sharing its block's mask. That query produces
-      the first output token; a block's mask is the max over its 64 queries, and on a prompt
-      that ends in a question the other 63 (filler) queries choose the blocks.
+    - ``prefill_final_query_own_mask``: prune the last query of every prefill chunk on its own,
+      as a decode query is (b_q = 1), instead of with its block (the max over 64 queries). Off by
+      default, as in the authors' code: on SmolLM2 passkeys past the trained length neither was
+      better consistently (the block's question tokens help find the needle, filler hurts).
     - ``block_size_k``: granularity of selected blocks in block-sparse attention (= last chunk).
     """
 
@@ -105,7 +105,7 @@ class InfiniteHiPConfig:
     dense_threshold: int | None = None
     probe: str = "midpoint"
     prefill_tail_window: int | str | None = "auto"
-    prefill_final_query_own_mask: bool = True
+    prefill_final_query_own_mask: bool = False
     rope_extension: bool | str = "auto"
     rope_pruning: str = "paper"
     rope_bsa: str = "streaming"
