@@ -82,6 +82,28 @@ def test_long_prompts_run_the_sparse_path(hip_llm):
     assert s["refreshes"] == {k: v * 2 * n_layers for k, v in per_req.items()}
 
 
+def test_recall_is_logged_per_layer_for_the_final_prompt_query_and_each_decode_step(hip_llm):
+    from vllm_infinitehip.metrics import collect_recall
+
+    prompt = long_prompt(1500, "gamma")
+    n = len(hip_llm.get_tokenizer().encode(prompt))
+    hip_llm.collective_rpc(collect_recall)  # on
+    greedy(hip_llm, [prompt], 6)
+    records = hip_llm.collective_rpc(collect_recall, kwargs={"enable": False})[0]
+    final = [r for r in records if r["query"] == "final-prompt" and r["seq_len"] == n]
+    decode = [r for r in records if r["query"] == "decode"]
+    assert sorted(r["layer"] for r in final) == [0, 1]
+    assert sorted((r["seq_len"], r["layer"]) for r in decode) == [
+        (n + i, layer) for i in range(1, 6) for layer in (0, 1)
+    ]
+    # a share of probability mass; the small budget leaves most keys out, so it is not all of it
+    assert all(0.0 < r["recall_min_head"] <= r["recall"] <= 1.0 + 1e-6 for r in records)
+    assert min(r["recall"] for r in records) < 0.999
+    # off again: nothing more is logged
+    greedy(hip_llm, [prompt], 2)
+    assert hip_llm.collective_rpc(collect_recall, kwargs={"enable": False})[0] == []
+
+
 def test_sparse_path_is_deterministic_across_batchings(hip_llm):
     prompts = [long_prompt(1500, "alpha"), long_prompt(2200, "beta")]
     together = greedy(hip_llm, prompts, 12)

@@ -226,7 +226,8 @@ class InfiniteHiPImpl(AttentionImpl):
             self._rope_table = RopeTable.from_vllm(
                 head_size, model_config.hf_text_config, dtype=model_config.dtype
             )
-        # metrics.collect_recall sets a list here: the final prefill query's recall goes to it
+        # metrics.collect_recall sets a list here: recall of each prefill chunk's final query and
+        # of each decode query goes to it
         self.recall_log: list[dict] | None = None
         self._params: ref.PruneParams | None = None
         self._tail_params: ref.PruneParams | None = None
@@ -285,9 +286,9 @@ class InfiniteHiPImpl(AttentionImpl):
         outs, attended = [], 0
         for p, sl in parts:
             prune = ops.prune(p, req, q[sl], positions[sl], self.scale)
-            o, n = ops.attend(p, req, q[sl], positions[sl], self.scale, prune)
+            o, pairs = ops.attend(p, req, q[sl], positions[sl], self.scale, prune)
             outs.append(o)
-            attended += n
+            attended += pairs
         if self.recall_log is not None:
             self._log_recall("final-prompt", p, req, q[-1:], positions[-1:], prune)
         return torch.cat(outs) if len(outs) > 1 else outs[0], attended
@@ -296,7 +297,7 @@ class InfiniteHiPImpl(AttentionImpl):
         self, query: str, params: ref.PruneParams, req: RequestKV, q: torch.Tensor,
         positions: torch.Tensor, prune: ref.PruneResult,
     ) -> None:
-        """Dense softmax mass on the keys the final query attended (exact, reference math)."""
+        """Dense softmax mass on the keys one query attended (exact, reference math)."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         k, _ = ref.gather_paged_kv(req.kv_cache, req.block_table_row, req.seq_len)
