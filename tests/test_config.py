@@ -79,10 +79,9 @@ def test_bad_config_names_the_field(raw, field):
     assert field in str(e.value)
 
 
-def test_tail_window_leaves_each_layer_its_budget_inside_the_trained_length():
-    c = InfiniteHiPConfig.from_user({})  # sink 256, final 2048, dense layers 0-3 keep 4096, b_q 64
-    assert c.tail_window(8192, layer_index=10) == 8192 - 256 - 2048 - 64
-    assert c.tail_window(8192, layer_index=0) == 8192 - 256 - 4096 - 64
-    assert c.tail_window(4096, layer_index=0) == c.window_tokens  # never below the window
+def test_tail_window_fills_the_trained_length_with_the_final_budget():
+    c = InfiniteHiPConfig.from_user({})  # sink 256, final 2048, b_q 64
+    assert c.tail_window(8192) == 8192 - 256 - 2048 - 64
+    assert c.tail_window(2048) == c.window_tokens  # never below the window
     assert InfiniteHiPConfig.from_user({"prefill_tail_window": None}).tail_window(8192) is None
     assert InfiniteHiPConfig.from_user({"prefill_tail_window": 3000}).tail_window(8192) == 3000

@@ -255,7 +255,7 @@ class InfiniteHiPImpl(AttentionImpl):
                 probe=self.config.probe,
                 rope=self._rope_plan(layer_index),
             )
-            tail_window = self.config.tail_window(self.trained_context, layer_index)
+            tail_window = self.config.tail_window(self.trained_context)
             if tail_window is not None:
                 self._tail_params = dataclasses.replace(self._params, window_tokens=tail_window)
         return self._params

@@ -86,8 +86,9 @@ class InfiniteHiPConfig:
     - ``trained_context``: the model's trained length; filled in from the model's config.
     - ``prefill_tail_window``: the last ``block_size_q`` queries of every prefill chunk (the ones
       that produce the first output token) attend with this larger window. ``"auto"`` (the
-      authors' code): trained length - sink - the layer's final budget - block_size_q, so sink,
-      selected and window together span the trained length; ``null``: off.
+      authors' code): trained length - sink - final budget - block_size_q, the same in every
+      layer (``dense_layers``' larger budget then reaches past the trained length; shrinking
+      their window to fit lost a passkey that the common window found); ``null``: off.
     - ``prefill_final_query_own_mask``: prune the last query of every prefill chunk on its own,
       as a decode query is (b_q = 1), instead of with its block (the max over 64 queries). Off by
       default, as in the authors' code: on SmolLM2 passkeys past the trained length neither was
@@ -135,13 +136,12 @@ class InfiniteHiPConfig:
             return "chunk-indexed" if layer_index in self.dense_layers else "relative"
         return self.rope_pruning
 
-    def tail_window(self, trained_context: int, layer_index: int = -1) -> int | None:
-        """Window of a prefill chunk's last query block in a layer (its budget counts), or None
-        when the tail is not special."""
+    def tail_window(self, trained_context: int) -> int | None:
+        """Window of a prefill chunk's last query block, or None when the tail is not special."""
         if self.prefill_tail_window is None:
             return None
         if self.prefill_tail_window == "auto":
-            auto = trained_context - self.sink_tokens - self.final_keep_for_layer(layer_index)
+            auto = trained_context - self.sink_tokens - self.final_keep_tokens
             return max(self.window_tokens, auto - self.stages[0].block_size_q)
         return max(self.window_tokens, int(self.prefill_tail_window))
 
