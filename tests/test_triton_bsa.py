@@ -193,6 +193,18 @@ def test_decode_request_without_keys_is_zero():
 
 
 # --------------------------------------------------------------------------- prefill
+def prefill_selection(nq, bq, seq_len, k_max, bk, aligned, gen):
+    """Random selected blocks per query block (the first block gets all ``k_max``), on DEVICE."""
+    starts, valid = [], []
+    for j in range(math.ceil(nq / bq)):
+        block_end = min(seq_len, seq_len - nq + (j + 1) * bq)  # one past the block's last query
+        n = int(torch.randint(0, k_max + 1, (1,), generator=gen)) if j else k_max
+        row, n = random_starts(block_end, k_max, n, bk, aligned, gen)
+        starts.append(row)
+        valid.append(torch.arange(k_max) < n)
+    return torch.stack(starts).to(DEVICE), torch.stack(valid).to(DEVICE)
+
+
 def run_prefill_case(
     hq, hkv, d, page, bk, bq, nq, seq_len, sink, window, aligned, seed,
     dtype=torch.float32, cap=0.0,
@@ -200,16 +212,7 @@ def run_prefill_case(
     gen = torch.Generator().manual_seed(seed)
     k_max = 12
     kv, table = paged_cache([seq_len], page, hkv, d, dtype, gen)
-    n_blocks = math.ceil(nq / bq)
-    starts, valid = [], []
-    for j in range(n_blocks):
-        block_end = min(seq_len, seq_len - nq + (j + 1) * bq)  # one past the block's last query
-        n = int(torch.randint(0, k_max + 1, (1,), generator=gen)) if j else k_max
-        row, n = random_starts(block_end, k_max, n, bk, aligned, gen)
-        starts.append(row)
-        valid.append(torch.arange(k_max) < n)
-    starts = torch.stack(starts).to(DEVICE)
-    valid = torch.stack(valid).to(DEVICE)
+    starts, valid = prefill_selection(nq, bq, seq_len, k_max, bk, aligned, gen)
     q = torch.randn(nq, hq, d, generator=gen).to(dtype).to(DEVICE)
     scale = d**-0.5
     out = torch.full_like(q, float("nan"))
@@ -346,15 +349,7 @@ def test_prefill_streaming_matches_reference(name):
     gen = torch.Generator().manual_seed(len(name) + 200)
     k_max = 12
     kv, table = paged_cache([seq_len], page, hkv, d, dtype, gen)
-    starts, valid = [], []
-    for j in range(math.ceil(nq / bq)):
-        block_end = min(seq_len, seq_len - nq + (j + 1) * bq)
-        n = int(torch.randint(0, k_max + 1, (1,), generator=gen)) if j else k_max
-        row, n = random_starts(block_end, k_max, n, bk, aligned, gen)
-        starts.append(row)
-        valid.append(torch.arange(k_max) < n)
-    starts = torch.stack(starts).to(DEVICE)
-    valid = torch.stack(valid).to(DEVICE)
+    starts, valid = prefill_selection(nq, bq, seq_len, k_max, bk, aligned, gen)
     q = torch.randn(nq, hq, d, generator=gen).to(dtype).to(DEVICE)
     scale = d**-0.5
     out = torch.full_like(q, float("nan"))

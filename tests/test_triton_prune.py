@@ -233,6 +233,16 @@ def assert_same_selection(got: ref.PruneResult, want: ref.PruneResult) -> None:
         same(g.starts, g.valid, w.starts, w.valid)
 
 
+def assert_same_resume(params, q, k, cache, block_table, pos, scale, want):
+    """Resuming at stage 1 from the reference's cached input selects what the reference does."""
+    resume_in = want.stage_inputs[1]
+    want_r = ref.run_stages(params, q, k, pos, scale, 1, resume_in)
+    dev_in = ref.Candidates(resume_in.starts.to(DEVICE), resume_in.valid.to(DEVICE))
+    got_r = tp.run_stages_paged(params, q.to(DEVICE), cache, block_table, pos.to(DEVICE),
+                                scale, 1, dev_in)  # fmt: skip
+    assert_same_selection(got_r, want_r)
+
+
 @pytest.mark.parametrize(
     "nq,probe,page", [(40, "midpoint", 16), (1, "first", 32)], ids=["prefill", "decode"]
 )
@@ -253,12 +263,7 @@ def test_run_stages_paged_equals_reference(nq, probe, page):
     assert_same_selection(got, want)
 
     # Decode refresh: resume at stage 1 from the reference's cached stage input.
-    resume_in = want.stage_inputs[1]
-    want_r = ref.run_stages(params, q, k, pos, scale, 1, resume_in)
-    dev_in = ref.Candidates(resume_in.starts.to(DEVICE), resume_in.valid.to(DEVICE))
-    got_r = tp.run_stages_paged(params, q.to(DEVICE), cache, block_table, pos.to(DEVICE),
-                                scale, 1, dev_in)  # fmt: skip
-    assert_same_selection(got_r, want_r)
+    assert_same_resume(params, q, k, cache, block_table, pos, scale, want)
 
 
 def test_run_stages_paged_static_bound_keeps_selection():
@@ -455,12 +460,7 @@ def test_run_stages_paged_with_rope_equals_reference(pruning, nq, hkv, page, pro
     )
 
     # Decode refresh with RoPE: resume at stage 1 from the reference's cached input.
-    resume_in = want.stage_inputs[1]
-    want_r = ref.run_stages(params, q, k, pos, scale, 1, resume_in)
-    dev_in = ref.Candidates(resume_in.starts.to(DEVICE), resume_in.valid.to(DEVICE))
-    got_r = tp.run_stages_paged(params, q.to(DEVICE), cache, block_table, pos.to(DEVICE),
-                                scale, 1, dev_in)  # fmt: skip
-    assert_same_selection(got_r, want_r)
+    assert_same_resume(params, q, k, cache, block_table, pos, scale, want)
 
 
 def test_run_stages_paged_pruning_none_keeps_cached_positions():
