@@ -24,7 +24,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vllm_infinitehip.kernels.rope import RopeTable, apply_rotation, rope_cos_sin, rotate
+from vllm_infinitehip.kernels.rope import (
+    RopeTable,
+    apply_rotation,
+    chunk_indexed_positions,
+    relative_positions,
+    rope_cos_sin,
+    rotate,
+)
 
 NEG_INF = float("-inf")
 
@@ -208,7 +215,7 @@ def select_rep_scores(
     if c == 0:
         return q_pooled.new_empty(nb, 0)
     num_keys = int(key_limit.max())
-    n_steps = max(1, math.ceil(math.log2(max(chunk_size, 2))))
+    n_steps = bisect_steps(chunk_size)
     if chunk_rotation is not None or 4 * n_steps * c < num_keys:
         # Score just the probed keys: needed when keys turn per chunk, and cheaper than a
         # whole-context table when there are few probes (same numbers either way).
@@ -271,6 +278,11 @@ def select_rep_scores(
     best = torch.where(single, probe_score(left), best)
     best = best.masked_fill(~valid, NEG_INF)
     return best.amax(dim=1)  # head reduction
+
+
+def bisect_steps(chunk_size: int) -> int:
+    """SelectRep's bisection steps for a chunk: enough to narrow it to one key (at least one)."""
+    return max(1, math.ceil(math.log2(max(chunk_size, 2))))
 
 
 def _fill_absent_queries(q_pooled: torch.Tensor) -> torch.Tensor:
@@ -401,19 +413,35 @@ def _stage_scores(
         return select_rep_scores(qp, k, cand, chunk_size, key_limit, params.probe)
     sw = params.scan_window
     if rope.pruning == "relative":
-        # query at sw'+1, left probe at 0, right probe at 1: distances sw'+1 and sw'
+        q_left, q_right = relative_queries(qp, rope.table, sw)
         return select_rep_scores(
-            rotate(qp, sw + 1, rope.table), k, cand, chunk_size, key_limit, params.probe,
-            q_pooled_right=rotate(qp, sw, rope.table),
-        )  # fmt: skip
-    # chunk-indexed: key at its chunk's ordinal c, query at min(p, C + sw'); the score only
-    # depends on the gap, so keys turn by c - query position and queries stay at 0.
-    c = cand.starts.shape[1]
-    q_pos = torch.clamp(block_min_pos, max=c + sw)
-    delta = torch.arange(c, device=k.device).view(1, -1) - q_pos.view(-1, 1)
+            q_left, k, cand, chunk_size, key_limit, params.probe, q_pooled_right=q_right
+        )
+    delta = chunk_indexed_key_turn(cand.starts.shape[1], block_min_pos, sw)
     return select_rep_scores(
         qp, k, cand, chunk_size, key_limit, params.probe, chunk_rotation=(delta, rope.table)
     )
+
+
+def relative_queries(
+    qp: torch.Tensor, table: RopeTable, scan_window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Un-rotated pooled queries placed for relative-style scoring (§2), against keys at
+    position 0: for left probes (query at sw'+1, probe at 0) and right probes (probe at 1)."""
+    pos = relative_positions(scan_window)
+    left = int(pos.query_pos - pos.left_probe_pos)
+    right = int(pos.query_pos - pos.right_probe_pos)
+    return rotate(qp, left, table), rotate(qp, right, table)
+
+
+def chunk_indexed_key_turn(
+    n_candidates: int, block_min_pos: torch.Tensor, scan_window: int
+) -> torch.Tensor:
+    """``[n_blocks, C]``: chunk-indexed style (§2) puts chunk ``j``'s keys at ``j`` and the
+    query at ``min(p, C + sw')``. Only the gap matters, so keys at position 0 turn by this
+    (ordinal minus query position) and the queries stay at 0."""
+    key_pos, q_pos = chunk_indexed_positions(n_candidates, block_min_pos, scan_window)
+    return key_pos.view(1, -1) - q_pos.view(-1, 1)
 
 
 # --------------------------------------------------------------------------- attention
@@ -487,9 +515,11 @@ def attention_recall(
     Dense scores use the cached keys at their true positions, so this measures how much of
     exact attention the selection keeps, not the remapped positions' effect.
     """
-    hq, hkv = q.shape[1], k.shape[1]
-    kf = k.float().repeat_interleave(hq // hkv, dim=1)  # [T, Hq, D]
-    scores = torch.einsum("qhd,thd->qht", q.float() * scale, kf)
+    nq, hq, d = q.shape
+    hkv = k.shape[1]
+    # GQA by view: a group's query heads share their KV head, no repeated copy of the keys
+    qg = q.float().view(nq, hkv, hq // hkv, d) * scale
+    scores = torch.einsum("qhgd,thd->qhgt", qg, k.float()).reshape(nq, hq, -1)
     t = torch.arange(k.shape[0], device=q.device)
     causal = t.view(1, 1, -1) <= q_positions.long().view(-1, 1, 1)
     probs = scores.masked_fill(~causal, NEG_INF).softmax(dim=-1)

@@ -22,8 +22,6 @@ small. Without RoPE the rotation is compiled out.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -310,10 +308,6 @@ def _launch_config(head_dim: int, rope: bool = False) -> tuple[int, int, int]:
     return (block_chunk // 4 if head_dim > 64 else block_chunk // 2), 8, 1
 
 
-def _bisect_steps(chunk_size: int) -> int:
-    return max(1, math.ceil(math.log2(max(chunk_size, 2))))
-
-
 def select_rep_scores_paged(
     q_pooled: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -463,7 +457,7 @@ def select_rep_scores_paged(
         GROUP=hq // hkv,
         PAGE_SIZE=page_size,
         CHUNK_SIZE=chunk_size,
-        N_ITERS=_bisect_steps(chunk_size),
+        N_ITERS=ref.bisect_steps(chunk_size),
         MIDPOINT=probe == "midpoint",
         FAST_DOT=precision == "fast",
         PRECISION="ieee" if precision == "ieee" else "tf32x3",
@@ -559,8 +553,7 @@ def run_stages_paged(
         if st.query_stride not in pooled:
             qp = ref.pool_queries(q, bq, st.query_stride) * scale
             if style == "relative":
-                # query at sw'+1, left probe at 0, right probe at 1: distances sw'+1 and sw'
-                pooled[st.query_stride] = (rotate(qp, sw + 1, table), rotate(qp, sw, table))
+                pooled[st.query_stride] = ref.relative_queries(qp, table, sw)
             else:
                 pooled[st.query_stride] = (qp, None)
         q_left, q_right = pooled[st.query_stride]
@@ -568,12 +561,8 @@ def run_stages_paged(
         if style == "relative":  # every probe key to position 0
             rotation = (torch.zeros((), dtype=torch.int32, device=device).expand(n_blocks, c),
                         table)  # fmt: skip
-        elif style == "chunk-indexed":
-            # keys of chunk j at ordinal j, the query at min(p, C + sw') and scored from 0: only
-            # the gap matters, so the keys turn by j - query position (from their true t)
-            q_pos = torch.clamp(block_min_pos, max=c + sw)
-            base = torch.arange(c, device=device).view(1, -1) - q_pos.view(-1, 1)
-            rotation = (base, table)
+        elif style == "chunk-indexed":  # from their true t, to the gap the style gives
+            rotation = (ref.chunk_indexed_key_turn(c, block_min_pos, sw), table)
         scores = select_rep_scores_paged(
             q_left,
             kv_cache,

@@ -300,7 +300,7 @@ class InfiniteHiPImpl(AttentionImpl):
         """Dense softmax mass on the keys one query attended (exact, reference math)."""
         from vllm.model_executor.models.utils import extract_layer_index
 
-        k, _ = ref.gather_paged_kv(req.kv_cache, req.block_table_row, req.seq_len)
+        k, _ = req.contiguous()
         mask = ref.sparse_key_mask(
             params, req.seq_len, positions, prune.block_starts[-1:], prune.block_valid[-1:]
         )

@@ -27,8 +27,6 @@ if __name__ == "__main__":
     if not spec.get("report"):
         json.dump(tokens, open(path_out, "w"))
         sys.exit(0)
-    from vllm_infinitehip.metrics import collect_stats
-
     cfg = llm.llm_engine.vllm_config
     report = {
         "max_model_len": cfg.model_config.max_model_len,
