@@ -32,7 +32,9 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-MODELS = {"smollm2-135m": ("vllm_infinitehip.offline_models", "smollm2_135m")}
+# name: (loader in vllm_infinitehip.offline_models, prompt in the chat template). SmolLM2 continues
+# plain text well; Qwen's instruct model answers a user turn (OFFLINE_MODELS.md: 9/9 that way).
+MODELS = {"smollm2-135m": ("smollm2_135m", False), "qwen2.5-coder-0.5b": ("qwen25_coder_05b", True)}
 
 
 def engine_kwargs(backend: str, max_len: int, device: str, hip: dict) -> dict:
@@ -54,13 +56,24 @@ def engine_kwargs(backend: str, max_len: int, device: str, hip: dict) -> dict:
 class Results:
     """Rows of both result files, rewritten on every update."""
 
-    def __init__(self, out: Path, device: str, gpu: str, model: str, trained: int) -> None:
+    def __init__(self, out: Path, device: str, gpu: str, model: str, trained: int,
+                 backends: list[str]) -> None:
         self.date = datetime.date.today().isoformat()
         self.paths = {n: out / f"{n}-{device}-{self.date}.json" for n in ("passkey", "recall")}
         self.gpu, self.model, self.trained = gpu, model, trained
         self.hits: dict[tuple[str, str, int, float], list[bool]] = {}
         self.recall: list[dict] = []
         out.mkdir(parents=True, exist_ok=True)
+        # One file per day and machine: rows of other models, or of this model's other backends,
+        # stay; this run replaces the rest.
+        self.kept: dict[str, list[dict]] = {}
+        self.kept_command: dict[str, str] = {}
+        for name, path in self.paths.items():
+            old = json.loads(path.read_text()) if path.exists() else {"rows": []}
+            self.kept[name] = [r for r in old["rows"] if r["model"] != model
+                               or r.get("backend", "infinitehip") not in backends]
+            if self.kept[name]:
+                self.kept_command[name] = old["command"] + "; "
 
     def add(self, backend: str, config: str, context: int, depth: float, correct: bool,
             recall: list[dict]):
@@ -79,8 +92,10 @@ class Results:
     def write(self) -> None:
         command = "python " + " ".join(sys.argv)
         for name, rows in (("passkey", self.passkey_rows()), ("recall", self.recall)):
+            rows = self.kept[name] + rows
             if rows:
-                result = {"name": name, "date": self.date, "gpu": self.gpu, "command": command,
+                result = {"name": name, "date": self.date, "gpu": self.gpu,
+                          "command": self.kept_command.get(name, "") + command,
                           "rows": rows}
                 self.paths[name].write_text(json.dumps(result, indent=2))
 
@@ -170,17 +185,17 @@ def main() -> int:
 
     from vllm_infinitehip.passkey import make_passkey_prompt
 
-    module, fn = MODELS[args.model]
-    model = str(getattr(importlib.import_module(module), fn)())
+    loader, chat = MODELS[args.model]
+    model = str(getattr(importlib.import_module("vllm_infinitehip.offline_models"), loader)())
     trained = AutoConfig.from_pretrained(model).max_position_embeddings
     tok = AutoTokenizer.from_pretrained(model)
     # shortest contexts first, so a time budget cuts the longest
-    cells = [(n, d, make_passkey_prompt(tok, n, d, seed=1000 * i + int(d * 100) + n))
+    cells = [(n, d, make_passkey_prompt(tok, n, d, seed=1000 * i + int(d * 100) + n, chat=chat))
              for n in sorted(args.lengths) for d in args.depths for i in range(args.n)]
     max_len = max(c[2].num_tokens for c in cells) + 512
     device = "gpu" if torch.cuda.is_available() else "cpu"
     gpu = torch.cuda.get_device_name() if device == "gpu" else "cpu"
-    results = Results(Path(args.out), device, gpu, args.model, trained)
+    results = Results(Path(args.out), device, gpu, args.model, trained, args.backends)
     for backend in args.backends:
         for hip in args.infinitehip if backend == "infinitehip" else ["{}"]:
             run_backend(model, backend, cells, max_len, device, json.loads(hip), results,

@@ -49,62 +49,74 @@ def plot_attention(result: dict, out: Path) -> None:
 
 
 def plot_passkey(result: dict, out: Path) -> None:
-    """One heatmap per backend: accuracy by context length (x) and needle depth (y)."""
+    """Heatmaps of accuracy by context length (x) and needle depth (y): a row per model, a column
+    per backend (the default one, and infinitehip with default settings, or the first compared)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # one heatmap per backend: the default one, and infinitehip with default settings (or the
-    # first settings compared)
-    hip = sorted({r["config"] for r in result["rows"] if r.get("config")}, key=lambda c: (c != "{}", c))
-    rows = [r for r in result["rows"] if r.get("config", "") in ("", *hip[:1])]
-    backends = sorted({r["backend"] for r in rows})
-    lengths = sorted({r["context"] for r in rows})
-    depths = sorted({r["depth"] for r in rows})
-    fig, axes = plt.subplots(1, len(backends), figsize=(4.5 * len(backends), 3.6), squeeze=False)
-    for ax, backend in zip(axes[0], backends):
-        grid = [[next((r["accuracy"] for r in rows if r["backend"] == backend
-                       and r["context"] == n and r["depth"] == d), float("nan"))
-                 for n in lengths] for d in depths]
-        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
-        ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" for n in lengths])
-        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-        for i, row in enumerate(grid):
-            for j, v in enumerate(row):
-                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
-        ax.set(title=f"{backend}", xlabel="context", ylabel="needle depth")
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="passkey accuracy")
-    model = rows[0]["model"]
-    fig.suptitle(f"{model} (trained {rows[0]['trained_context']}), {result['gpu']}, {result['date']}")
+    models = list(dict.fromkeys(r["model"] for r in result["rows"]))
+    panels = []
+    for model in models:
+        mine = [r for r in result["rows"] if r["model"] == model]
+        hip = sorted({r["config"] for r in mine if r.get("config")}, key=lambda c: (c != "{}", c))
+        rows = [r for r in mine if r.get("config", "") in ("", *hip[:1])]
+        panels.append((model, rows, sorted({r["backend"] for r in rows})))
+    ncols = max(len(backends) for _, _, backends in panels)
+    fig, axes = plt.subplots(len(panels), ncols, figsize=(4.5 * ncols, 3.6 * len(panels)),
+                             squeeze=False)
+    for ax_row, (model, rows, backends) in zip(axes, panels):
+        lengths = sorted({r["context"] for r in rows})
+        depths = sorted({r["depth"] for r in rows})
+        for ax in ax_row[len(backends):]:
+            ax.axis("off")
+        for ax, backend in zip(ax_row, backends):
+            grid = [[next((r["accuracy"] for r in rows if r["backend"] == backend
+                           and r["context"] == n and r["depth"] == d), float("nan"))
+                     for n in lengths] for d in depths]
+            im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+            ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" for n in lengths])
+            ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+            for i, row in enumerate(grid):
+                for j, v in enumerate(row):
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+            ax.set(xlabel="context", ylabel="needle depth")
+            ax.set_title(f"{model} (trained {rows[0]['trained_context'] // 1024}K)\n{backend}",
+                         fontsize=10)
+        fig.colorbar(im, ax=ax_row.tolist(), shrink=0.8, label="passkey accuracy")
+    fig.suptitle(f"passkey retrieval, {result['gpu']}, {result['date']}")
     fig.savefig(out, dpi=110, bbox_inches="tight")
 
 
 def plot_recall(result: dict, out: Path) -> None:
-    """Attention-mass recall by layer, one line per context length and query kind (mean over
-    prompts): solid for the final prompt query, dashed for decode queries."""
+    """Attention-mass recall by layer, a panel per model, one line per context length and query
+    kind (mean over prompts): solid for the final prompt query, dashed for decode queries."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    first = result["rows"][0].get("config")
-    rows = [r for r in result["rows"] if r.get("config") == first]
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    for query, style in (("final-prompt", "-"), ("decode", "--")):
-        for n in sorted({r["context"] for r in rows}):
-            by_layer: dict[int, list[float]] = {}
-            for r in rows:
-                if r["context"] == n and r.get("query", "final-prompt") == query:
-                    by_layer.setdefault(r["layer"], []).append(r["recall"])
-            layers = sorted(by_layer)
-            if layers:
-                ax.plot(layers, [sum(by_layer[k]) / len(by_layer[k]) for k in layers], style,
-                        marker="o", markersize=3, label=f"{n // 1024}K {query}")
-    ax.set(xlabel="layer", ylabel="attention-mass recall", ylim=(0, 1.02),
-           title=f"{rows[0]['model']}, {result['gpu']}, {result['date']}")
-    ax.axhline(0.95, color="grey", linestyle=":", linewidth=1)
-    ax.legend(title="context, query", fontsize=7)
+    models = list(dict.fromkeys(r["model"] for r in result["rows"]))
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 3.8), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in result["rows"] if r["model"] == model]
+        first = mine[0].get("config")
+        rows = [r for r in mine if r.get("config") == first]
+        for query, style in (("final-prompt", "-"), ("decode", "--")):
+            for n in sorted({r["context"] for r in rows}):
+                by_layer: dict[int, list[float]] = {}
+                for r in rows:
+                    if r["context"] == n and r.get("query", "final-prompt") == query:
+                        by_layer.setdefault(r["layer"], []).append(r["recall"])
+                layers = sorted(by_layer)
+                if layers:
+                    ax.plot(layers, [sum(by_layer[k]) / len(by_layer[k]) for k in layers],
+                            style, marker="o", markersize=3, label=f"{n // 1024}K {query}")
+        ax.set(xlabel="layer", ylabel="attention-mass recall", ylim=(0, 1.02),
+               title=f"{model}, {result['gpu']}, {result['date']}")
+        ax.axhline(0.95, color="grey", linestyle=":", linewidth=1)
+        ax.legend(title="context, query", fontsize=7)
     fig.savefig(out, dpi=110, bbox_inches="tight")
 
 

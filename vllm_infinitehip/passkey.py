@@ -26,15 +26,30 @@ class PasskeyPrompt:
         return bool(found) and found[0] == self.passkey
 
 
-def make_passkey_prompt(tokenizer, num_tokens: int, depth: float, seed: int) -> PasskeyPrompt:
-    """A prompt of about ``num_tokens`` tokens with a 5-digit passkey at relative ``depth``."""
+def make_passkey_prompt(tokenizer, num_tokens: int, depth: float, seed: int,
+                        chat: bool = False) -> PasskeyPrompt:
+    """A prompt of about ``num_tokens`` tokens with a 5-digit passkey at relative ``depth``.
+
+    ``chat``: wrap the haystack and the question in the tokenizer's chat template (instruction
+    models that answer a user turn more reliably than they continue plain text), with the
+    assistant's turn opened by "The pass key is".
+    """
     rng = random.Random(seed)
     passkey = str(rng.randint(10000, 99999))
     needle = f"The pass key is {passkey}. Remember it. {passkey} is the pass key. "
-    fixed = len(tokenizer.encode(INTRO + needle + QUESTION, add_special_tokens=False))
+
+    def render(haystack: str) -> str:
+        if not chat:
+            return haystack + QUESTION
+        question, answer = QUESTION.split("? ")
+        turn = [{"role": "user", "content": haystack + question + "?"}]
+        return tokenizer.apply_chat_template(turn, tokenize=False,
+                                             add_generation_prompt=True) + answer
+
+    fixed = len(tokenizer.encode(render(INTRO + needle), add_special_tokens=False))
     per_filler = len(tokenizer.encode(FILLER * 8, add_special_tokens=False)) / 8
     n_fill = max(0, int((num_tokens - fixed) / per_filler))
     before = int(round(n_fill * depth))
-    text = INTRO + FILLER * before + needle + FILLER * (n_fill - before) + QUESTION
+    text = render(INTRO + FILLER * before + needle + FILLER * (n_fill - before))
     n = len(tokenizer.encode(text))
     return PasskeyPrompt(text, passkey, depth, n)
