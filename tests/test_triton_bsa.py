@@ -366,9 +366,19 @@ def test_prefill_streaming_matches_reference(name):
     assert float((plain - want).abs().max()) > 1e-2, "the positions must matter in this case"
 
 
-@pytest.mark.parametrize("pruning,nq", [("relative", 40), ("chunk-indexed", 1)],
-                         ids=["relative-prefill", "chunk-indexed-decode"])  # fmt: skip
-def test_triton_ops_run_rope_plans_in_the_kernels(pruning, nq, monkeypatch):
+@pytest.mark.parametrize(
+    "pruning,nq,after",
+    [("relative", 40, 0), ("chunk-indexed", 1, 0), ("relative", 40, 24), (None, 40, 24)],
+    ids=["relative-prefill", "chunk-indexed-decode", "relative-body-slice", "no-rope-body-slice"],
+)
+def test_triton_ops_match_the_reference_through_backend_calls(pruning, nq, after, monkeypatch):
+    """TritonOps gives the reference's masks and outputs, through the backend's own calls.
+
+    ``after`` > 0 is a prefill chunk's body: the backend attends a chunk in slices, so ``after``
+    queries of the same chunk (its tail) follow the slice, and their keys are in the cache
+    already. They are the slice's future (a kernel that took the slice to end the sequence
+    let every query see ``after`` future tokens).
+    """
     seq_len, hq, hkv, d, scale = 800, 8, 2, 64, 0.125
     gen = torch.Generator().manual_seed(nq)
     kv, table = paged_cache([seq_len], 16, hkv, d, torch.float32, gen)
@@ -378,11 +388,12 @@ def test_triton_ops_run_rope_plans_in_the_kernels(pruning, nq, monkeypatch):
     t = torch.arange(seq_len, device=DEVICE)
     slots = table[0][t // 16].long() * 16 + t % 16
     ref.write_paged_kv(kv, rotate(k, t, rope), v, slots)
-    pos = torch.arange(seq_len - nq, seq_len, device=DEVICE)
+    pos = torch.arange(seq_len - after - nq, seq_len - after, device=DEVICE)
     q = rotate(torch.randn(nq, hq, d, generator=gen), pos.cpu(), rope).to(DEVICE)
     stages = (ref.StageParams(32, 256, 16, 4), ref.StageParams(8, 96, 16, 4),
               ref.StageParams(4, 48, 16, 1))  # fmt: skip
-    params = ref.PruneParams(16, 64, stages, "midpoint", ref.RopePlan(rope, pruning, "streaming"))
+    plan = ref.RopePlan(rope, pruning, "streaming") if pruning else None
+    params = ref.PruneParams(16, 64, stages, "midpoint", plan)
     req = ops.RequestKV(kv, table[0], seq_len)
 
     want_prune = ops.ReferenceOps().prune(params, req, q, pos, scale)
