@@ -62,10 +62,18 @@ def plot_passkey(result: dict, out: Path) -> None:
         mine = [r for r in result["rows"] if r["model"] == model]
         hip = sorted({r["config"] for r in mine if r.get("config")}, key=lambda c: (c != "{}", c))
         rows = [r for r in mine if r.get("config", "") in ("", *hip[:1])]
-        panels.append((model, rows, sorted({(r["backend"], r.get("ops", "")) for r in rows})))
+        # one panel per backend: its execution path with the most cells (a spot check of the
+        # other path, e.g. by --ops compare, stays in the JSON)
+        paths: dict[str, dict[str, int]] = {}
+        for r in rows:
+            counts = paths.setdefault(r["backend"], {})
+            counts[r.get("ops", "")] = counts.get(r.get("ops", ""), 0) + 1
+        shown = sorted((b, max(c, key=c.get)) for b, c in paths.items())
+        rows = [r for r in rows if (r["backend"], r.get("ops", "")) in shown]
+        panels.append((model, rows, shown))
     ncols = max(len(backends) for _, _, backends in panels)
-    fig, axes = plt.subplots(len(panels), ncols, figsize=(4.5 * ncols, 3.6 * len(panels)),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(panels), ncols, figsize=(4.5 * ncols, 4.0 * len(panels)),
+                             squeeze=False, gridspec_kw={"hspace": 0.45, "wspace": 0.3})
     for ax_row, (model, rows, backends) in zip(axes, panels):
         lengths = sorted({r["context"] for r in rows})
         depths = sorted({r["depth"] for r in rows})

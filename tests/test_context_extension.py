@@ -43,12 +43,23 @@ def test_serving_past_the_trained_length_runs_remapped(short_trained_model, tmp_
     engine = {**ENGINE_KW, "max_model_len": 4096,
               "additional_config": {"infinitehip": hip}}
     prompt = "tale " + " ".join(f"w{i % 89}" for i in range(1400)) + " and then"
-    spec = {"engine": engine, "prompts": [prompt], "max_tokens": 8, "report": True}
+    short = "tale " + " ".join(f"w{i % 89}" for i in range(120)) + " and then"  # < dense_threshold
+    spec = {"engine": engine, "prompts": [prompt, short], "max_tokens": 8, "report": True}
     (tmp_path / "in.json").write_text(json.dumps(spec))
     subprocess.run([sys.executable, str(HELPER), short_trained_model, "infinitehip",
                     str(tmp_path / "in.json"), str(tmp_path / "out.json")], check=True, timeout=600)
     out = json.loads((tmp_path / "out.json").read_text())
     assert len(out["tokens"][0]) == 8
+    # With the remapping on, a prompt under the dense threshold is still exact dense attention at
+    # true positions: the default backend, with the same rotary cache, gives the same tokens.
+    default = {**ENGINE_KW, "max_model_len": 4096,
+               "hf_overrides": {"max_position_embeddings": 4096}}
+    (tmp_path / "default.json").write_text(json.dumps(
+        {"engine": default, "prompts": [short], "max_tokens": 8}))
+    subprocess.run([sys.executable, str(HELPER), short_trained_model, "default",
+                    str(tmp_path / "default.json"), str(tmp_path / "default-out.json")],
+                   check=True, timeout=600)  # fmt: skip
+    assert out["tokens"][1] == json.loads((tmp_path / "default-out.json").read_text())[0]
     report = out["report"]
     assert report["max_model_len"] == 4096
     assert report["max_position_embeddings"] == 4096  # rotary cache raised to the served length
