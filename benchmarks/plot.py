@@ -89,7 +89,8 @@ def plot_passkey(result: dict, out: Path) -> None:
             ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
             for i, row in enumerate(grid):
                 for j, v in enumerate(row):
-                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+                    ax.text(j, i, "not run" if v != v else f"{v:.2f}", ha="center",
+                            va="center", fontsize=8)
             ax.set(xlabel="context", ylabel="needle depth")
             label = f"{backend} ({ops} path)" if ops else backend
             ax.set_title(f"{model} (trained {rows[0]['trained_context'] // 1024}K)\n{label}",
