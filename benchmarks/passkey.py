@@ -61,7 +61,7 @@ class Results:
     """Rows of both result files, rewritten on every update."""
 
     def __init__(self, out: Path, device: str, gpu: str, model: str, trained: int,
-                 backends: list[str], path: str) -> None:
+                 produced: set[tuple[str, str, str]]) -> None:
         self.date = datetime.date.today().isoformat()
         self.paths = {n: out / f"{n}-{device}-{self.date}.json"
                       for n in ("passkey", "recall", "ops-compare")}
@@ -70,15 +70,15 @@ class Results:
         self.recall: list[dict] = []
         self.compare: list[dict] = []
         out.mkdir(parents=True, exist_ok=True)
-        # One file per day and machine: rows of other models, of this model's other backends, or
-        # of infinitehip's other execution path stay; this run replaces the rest.
+        # One file per day and machine: this run replaces the rows of the (backend, config,
+        # execution path) it produces for its model; every other row stays.
         self.kept: dict[str, list[dict]] = {}
         self.kept_command: dict[str, str] = {}
         for name, path in self.paths.items():
             old = json.loads(path.read_text()) if path.exists() else {"rows": []}
-            self.kept[name] = [r for r in old["rows"] if r["model"] != model
-                               or r.get("backend", "infinitehip") not in backends
-                               or r.get("ops", path) not in ("", path)]
+            self.kept[name] = [r for r in old["rows"] if r["model"] != model or (
+                r.get("backend", "infinitehip"), r.get("config", ""), r.get("ops", "")
+            ) not in produced]
             if self.kept[name]:
                 self.kept_command[name] = old["command"] + "; "
 
@@ -233,8 +233,11 @@ def main() -> int:
     max_len = max(c[2].num_tokens for c in cells) + 512
     device = "gpu" if torch.cuda.is_available() else "cpu"
     gpu = torch.cuda.get_device_name() if device == "gpu" else "cpu"
-    results = Results(Path(args.out), device, gpu, args.model, trained, args.backends,
-                      execution_path(args.ops, device))
+    path = execution_path(args.ops, device)
+    produced = {("infinitehip", json.dumps(json.loads(h), sort_keys=True), path)
+                for h in args.infinitehip} if "infinitehip" in args.backends else set()
+    produced |= {("default", "", "")} if "default" in args.backends else set()
+    results = Results(Path(args.out), device, gpu, args.model, trained, produced)
     for backend in args.backends:
         for hip in args.infinitehip if backend == "infinitehip" else ["{}"]:
             run_backend(model, backend, cells, max_len, device, json.loads(hip), results,
