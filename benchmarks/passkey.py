@@ -11,10 +11,10 @@ past the trained length). Writes, under ``--out``:
   takes several to compare; ``ops``: which execution path served it), a PNG heatmap per backend
   (length x depth) beside it, and a printed table;
 - ``recall-<cpu|gpu>-<date>.json``: attention-mass recall on the real model's Q/K, of the final
-  prompt query and of each decode query, rows ``{model, trained_context, config, context, depth,
-  query, layer, seq_len, recall, recall_min_head}``
-  (share of the dense softmax mass on the keys infinitehip attended; mean over heads, and the
-  worst head), and a per-layer plot.
+  prompt query and of the decode queries, rows ``{model, trained_context, config, ops, context,
+  depth, query, layer, seq_len, steps, recall, recall_min_head}`` (share of the dense softmax mass
+  on the keys infinitehip attended; mean over heads and over a prompt's decode steps, and the
+  worst head of any step), and a per-layer plot.
 
 - with ``--ops compare``, ``ops-compare-<cpu|gpu>-<date>.json``: the Triton path against the
   PyTorch reference on every call of the run (benchmarks/compare_ops.py).
@@ -87,8 +87,7 @@ class Results:
         self.hits.setdefault((backend, config, ops, context, depth), []).append(correct)
         base = {"model": self.model, "trained_context": self.trained, "config": config,
                 "ops": ops, "context": context, "depth": depth}
-        fields = ("query", "layer", "seq_len", "recall", "recall_min_head")
-        self.recall.extend({**base, **{k: r[k] for k in fields}} for r in recall)
+        self.recall.extend({**base, **r} for r in per_layer(recall))
         self.compare.extend({**base, **r} for r in compare)
         self.write()
 
@@ -103,10 +102,29 @@ class Results:
                            ("ops-compare", self.compare)):
             rows = self.kept[name] + rows
             if rows:
-                result = {"name": name, "date": self.date, "gpu": self.gpu,
-                          "command": self.kept_command.get(name, "") + command,
-                          "rows": rows}
-                self.paths[name].write_text(json.dumps(result, indent=2))
+                head = {"name": name, "date": self.date, "gpu": self.gpu,
+                        "command": self.kept_command.get(name, "") + command}
+                self.paths[name].write_text(dump_rows(head, rows))
+
+
+def per_layer(recall: list[dict]) -> list[dict]:
+    """One row per query kind and layer: the mean recall over its steps (decode has one per
+    generated token), the worst head of any step, and the first step's sequence length."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in recall:
+        groups.setdefault((r["query"], r["layer"]), []).append(r)
+    return [{"query": query, "layer": layer, "seq_len": rs[0]["seq_len"], "steps": len(rs),
+             "recall": sum(r["recall"] for r in rs) / len(rs),
+             "recall_min_head": min(r["recall_min_head"] for r in rs)}
+            for (query, layer), rs in groups.items()]
+
+
+def dump_rows(head: dict, rows: list[dict]) -> str:
+    """The result as JSON with one row per line: recall files hold thousands of rows, and every
+    device call carries the working tree (benchmarks/results included) within 64 MiB."""
+    rounded = [{k: round(v, 5) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+    body = ",\n".join(json.dumps(r) for r in rounded)
+    return json.dumps(head)[:-1] + f', "rows": [\n{body}\n]}}\n'
 
 
 def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip: dict,
