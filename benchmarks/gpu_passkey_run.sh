@@ -28,5 +28,8 @@ if [ ! -d "$RESULTS" ]; then  # start from today's committed GPU results: other 
   mkdir -p "$RESULTS"
   cp benchmarks/results/*-gpu-"$(date +%F)".json "$RESULTS"/ 2>/dev/null
 fi
-python3 benchmarks/passkey.py --out "$RESULTS" "$@" 2>&1 | grep -vE "^(INFO|WARNING|DEBUG)|it/s\]$" | tail -60
-cp "$RESULTS"/* "$OUTDIR"/
+# a run stopped at the call's limit still returns what it measured (the harness rewrites its
+# files after every prompt) and its whole log
+trap 'cp "$RESULTS"/* "$OUTDIR"/' EXIT
+python3 benchmarks/passkey.py --out "$RESULTS" "$@" 2>&1 | tee "$OUTDIR/passkey-log.txt" \
+  | grep -vE "^(INFO|WARNING|DEBUG)|it/s\]$" | tail -60
