@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import ENGINE_KW
+from tests.helpers.generate import generate_in_subprocess
 
 pytestmark = pytest.mark.vllm
 
-HELPER = Path(__file__).parent / "helpers" / "generate.py"
 TRAINED = 2048
 
 
@@ -45,21 +42,16 @@ def test_serving_past_the_trained_length_runs_remapped(short_trained_model, tmp_
     prompt = "tale " + " ".join(f"w{i % 89}" for i in range(1400)) + " and then"
     short = "tale " + " ".join(f"w{i % 89}" for i in range(120)) + " and then"  # < dense_threshold
     spec = {"engine": engine, "prompts": [prompt, short], "max_tokens": 8, "report": True}
-    (tmp_path / "in.json").write_text(json.dumps(spec))
-    subprocess.run([sys.executable, str(HELPER), short_trained_model, "infinitehip",
-                    str(tmp_path / "in.json"), str(tmp_path / "out.json")], check=True, timeout=600)
-    out = json.loads((tmp_path / "out.json").read_text())
+    out = generate_in_subprocess(short_trained_model, "infinitehip", spec, tmp_path, "hip")
     assert len(out["tokens"][0]) == 8
     # With the remapping on, a prompt under the dense threshold is still exact dense attention at
     # true positions: the default backend, with the same rotary cache, gives the same tokens.
     default = {**ENGINE_KW, "max_model_len": 4096,
                "hf_overrides": {"max_position_embeddings": 4096}}
-    (tmp_path / "default.json").write_text(json.dumps(
-        {"engine": default, "prompts": [short], "max_tokens": 8}))
-    subprocess.run([sys.executable, str(HELPER), short_trained_model, "default",
-                    str(tmp_path / "default.json"), str(tmp_path / "default-out.json")],
-                   check=True, timeout=600)  # fmt: skip
-    assert out["tokens"][1] == json.loads((tmp_path / "default-out.json").read_text())[0]
+    spec = {"engine": default, "prompts": [short], "max_tokens": 8}
+    assert out["tokens"][1] == generate_in_subprocess(
+        short_trained_model, "default", spec, tmp_path, "default"
+    )[0]
     report = out["report"]
     assert report["max_model_len"] == 4096
     assert report["max_position_embeddings"] == 4096  # rotary cache raised to the served length
@@ -112,10 +104,7 @@ def test_smollm2_retrieves_a_passkey_at_twice_its_trained_length(tmp_path):
     engine = {**ENGINE_KW, "max_model_len": prompt.num_tokens + 64, "max_num_seqs": 1,
               "max_num_batched_tokens": 8192, "kv_cache_memory_bytes": 2 << 30}
     spec = {"engine": engine, "prompts": [prompt.text], "max_tokens": 8, "report": True}
-    (tmp_path / "in.json").write_text(json.dumps(spec))
-    subprocess.run([sys.executable, str(HELPER), model, "infinitehip", str(tmp_path / "in.json"),
-                    str(tmp_path / "out.json")], check=True, timeout=1500)
-    out = json.loads((tmp_path / "out.json").read_text())
+    out = generate_in_subprocess(model, "infinitehip", spec, tmp_path, "hip", timeout=1500)
     answer = tok.decode(out["tokens"][0])
     assert out["report"]["trained_context"] == 8192
     stats = out["report"]["stats"]

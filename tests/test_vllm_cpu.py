@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from tests.conftest import ENGINE_KW
+from tests.helpers.generate import generate_in_subprocess
 from vllm_infinitehip.metrics import collect_stats
 
 pytestmark = pytest.mark.vllm
@@ -36,16 +32,9 @@ def greedy(llm, prompts, max_tokens):
 @pytest.fixture(scope="module")
 def default_backend_tokens(tiny_model, tmp_path_factory):
     """vLLM's default CPU attention (CPU_ATTN) on the short prompts, in its own process."""
-    d = tmp_path_factory.mktemp("default")
     spec = {"engine": ENGINE_KW, "prompts": SHORT_PROMPTS, "max_tokens": 24}
-    (d / "in.json").write_text(json.dumps(spec))
-    helper = Path(__file__).parent / "helpers" / "generate.py"
-    subprocess.run(
-        [sys.executable, str(helper), tiny_model, "default", str(d / "in.json"), str(d / "out.json")],
-        check=True,
-        timeout=600,
-    )
-    return json.loads((d / "out.json").read_text())
+    return generate_in_subprocess(tiny_model, "default", spec,
+                                  tmp_path_factory.mktemp("default"), "short")  # fmt: skip
 
 
 def test_short_prompts_match_default_backend_exactly(hip_llm, default_backend_tokens):
@@ -134,17 +123,10 @@ def test_full_budget_sparse_equals_dense_in_vllm(tiny_model, tmp_path):
         "refresh_intervals": [8, 4, 2],
     }
     prompts = [long_prompt(900, "eps")]
-    helper = Path(__file__).parent / "helpers" / "generate.py"
     results = {}
     for backend, extra in (("default", {}), ("infinitehip", {"additional_config": {"infinitehip": full}})):
         spec = {"engine": {**ENGINE_KW, **extra}, "prompts": prompts, "max_tokens": 16}
-        (tmp_path / "in.json").write_text(json.dumps(spec))
-        subprocess.run(
-            [sys.executable, str(helper), tiny_model, backend, str(tmp_path / "in.json"),
-             str(tmp_path / f"{backend}.json")],
-            check=True, timeout=600,
-        )
-        results[backend] = json.loads((tmp_path / f"{backend}.json").read_text())
+        results[backend] = generate_in_subprocess(tiny_model, backend, spec, tmp_path, backend)
     assert results["infinitehip"] == results["default"]
 
 

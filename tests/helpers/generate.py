@@ -1,13 +1,28 @@
 """Greedy generation in a fresh process: ``python generate.py MODEL BACKEND JSON_IN JSON_OUT``.
 
-Used to get vLLM's default CPU backend outputs without a second engine in the test process.
+Used to get vLLM's default CPU backend outputs without a second engine in the test process;
+tests call it through :func:`generate_in_subprocess`.
 """
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def generate_in_subprocess(model: str, backend: str, spec: dict, workdir: Path, name: str,
+                           timeout: int = 600):
+    """Run ``spec`` (``engine`` kwargs, ``prompts``, ``max_tokens``, optional ``report``) through
+    this script in a fresh process; returns its output (token lists, or tokens and report)."""
+    src, dst = Path(workdir) / f"{name}-in.json", Path(workdir) / f"{name}-out.json"
+    src.write_text(json.dumps(spec))
+    subprocess.run([sys.executable, __file__, model, backend, str(src), str(dst)], check=True,
+                   timeout=timeout)  # fmt: skip
+    return json.loads(dst.read_text())
+
 
 if __name__ == "__main__":
     model, backend, path_in, path_out = sys.argv[1:5]
