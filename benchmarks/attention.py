@@ -266,10 +266,14 @@ def release() -> None:
         pass
 
 
+def one_line(e: BaseException) -> str:
+    """The error on one line, long enough for xformers' list of kernels and why each refused."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"[:2000]
+
+
 def skip(row: dict, fields: tuple[str, ...], e: BaseException) -> None:
     """A baseline that cannot run: its fields are null, with the reason beside each."""
-    # one line, long enough for xformers' list of kernels and why each refused
-    msg = f"{type(e).__name__}: {' '.join(str(e).split())}"[:2000]
+    msg = one_line(e)
     for field in fields:
         row[field] = None
         row[f"{field}_error"] = msg
@@ -374,7 +378,7 @@ def xformers_baseline(row, k, v, q, qp, t: int, scale: float, refs: dict) -> Non
             for name, qq, bias in (("decode", qdx, None), ("prefill", qpx, causal))
         }
     except Exception as e:  # noqa: BLE001
-        row["xformers_ops"] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())}"[:2000]}
+        row["xformers_ops"] = {"error": one_line(e)}
     measure(row, "decode_us_xformers", attend(qdx), refs["decode"])
     measure(row, "prefill_ms_xformers", attend(qpx, causal), refs["prefill"])
     # the default dispatch sends a GQA decode to PyTorch's own flash kernel; split-K is xformers'

@@ -26,7 +26,9 @@ fi
 RESULTS=/root/passkey-results
 if [ ! -d "$RESULTS" ]; then  # start from today's committed GPU results: other rows are kept
   mkdir -p "$RESULTS"
-  cp benchmarks/results/*-gpu-"$(date +%F)".json "$RESULTS"/ 2>/dev/null
+  for name in passkey recall ops-compare; do
+    cp benchmarks/results/$name-gpu-"$(date +%F)".json "$RESULTS"/ 2>/dev/null
+  done
 fi
 # a run stopped at the call's limit still returns what it measured (the harness rewrites its
 # files after every prompt) and its whole log

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 
@@ -64,11 +65,9 @@ def plot_passkey(result: dict, out: Path) -> None:
         rows = [r for r in mine if r.get("config", "") in ("", *hip[:1])]
         # one panel per backend: its execution path with the most cells (a spot check of the
         # other path, e.g. by --ops compare, stays in the JSON)
-        paths: dict[str, dict[str, int]] = {}
-        for r in rows:
-            counts = paths.setdefault(r["backend"], {})
-            counts[r.get("ops", "")] = counts.get(r.get("ops", ""), 0) + 1
-        shown = sorted((b, max(c, key=c.get)) for b, c in paths.items())
+        cells = Counter((r["backend"], r.get("ops", "")) for r in rows)
+        shown = sorted(max((k for k in cells if k[0] == b), key=cells.get)
+                       for b in {b for b, _ in cells})
         rows = [r for r in rows if (r["backend"], r.get("ops", "")) in shown]
         panels.append((model, rows, shown))
     ncols = max(len(backends) for _, _, backends in panels)

@@ -11,7 +11,9 @@ INTRO = (
     "it. I will quiz you about the important information there.\n"
 )
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-QUESTION = "\nWhat is the pass key? The pass key is"
+ASK = "What is the pass key?"
+ANSWER_START = "The pass key is"
+QUESTION = f"\n{ASK} {ANSWER_START}"
 
 
 @dataclass(frozen=True)
@@ -41,10 +43,9 @@ def make_passkey_prompt(tokenizer, num_tokens: int, depth: float, seed: int,
     def render(haystack: str) -> str:
         if not chat:
             return haystack + QUESTION
-        question, answer = QUESTION.split("? ")
-        turn = [{"role": "user", "content": haystack + question + "?"}]
+        turn = [{"role": "user", "content": f"{haystack}\n{ASK}"}]
         return tokenizer.apply_chat_template(turn, tokenize=False,
-                                             add_generation_prompt=True) + answer
+                                             add_generation_prompt=True) + ANSWER_START
 
     fixed = len(tokenizer.encode(render(INTRO + needle), add_special_tokens=False))
     per_filler = len(tokenizer.encode(FILLER * 8, add_special_tokens=False)) / 8
