@@ -40,7 +40,7 @@ from vllm_infinitehip.config import InfiniteHiPConfig
 from vllm_infinitehip.kernels import reference as ref
 from vllm_infinitehip.kernels.triton_bsa import sparse_decode_attention, sparse_prefill_attention
 from vllm_infinitehip.kernels.triton_prune import run_stages_paged
-from vllm_infinitehip.mask_state import refresh_level
+from vllm_infinitehip.state import refresh_level
 
 HQ, HKV, D = 32, 8, 128
 PAGE = 16

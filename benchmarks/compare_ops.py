@@ -8,7 +8,9 @@ prompt runs both paths on the same inputs, and :class:`CompareOps` records, per 
 - ``max_abs_diff``: the largest |Triton - reference| of the attention output, both attending with
   the reference's mask (so the block-sparse kernel alone is compared), and ``ref_max_abs``.
 
-The run continues on the reference's results, so one wrong call cannot hide later ones. The
+The run continues on the reference's results, so one wrong call cannot hide later ones. Decode
+rows run on the reference alone here: their masks live in per-slot buffers that both paths would
+write (tests/test_triton_decode.py compares the batched decode kernels with the reference). The
 passkey harness uses it with ``--ops compare`` (in-process engine only, which it sets).
 """
 
@@ -21,7 +23,7 @@ from vllm_infinitehip.kernels.ops import ReferenceOps, TritonOps
 
 
 class CompareOps(ReferenceOps):
-    """Reference results, with the Triton path's disagreement recorded in ``rows``."""
+    """Reference results, with the Triton path's prefill disagreement recorded in ``rows``."""
 
     layer: int = -1  # set by the backend's forward (see :func:`install`)
 
@@ -29,15 +31,15 @@ class CompareOps(ReferenceOps):
         self.triton = TritonOps()
         self.rows: list[dict] = []
 
-    def prune(self, params, req, q, positions, scale, start_stage=0, start_input=None):
-        want = super().prune(params, req, q, positions, scale, start_stage, start_input)
-        got = self.triton.prune(params, req, q, positions, scale, start_stage, start_input)
+    def prune(self, params, req, q, positions, scale):
+        want = super().prune(params, req, q, positions, scale)
+        got = self.triton.prune(params, req, q, positions, scale)
         self._row("prune", q, params, mask_agreement=_mask_agreement(got, want))
         return want
 
-    def attend(self, params, req, q, positions, scale, prune):
-        want, pairs = super().attend(params, req, q, positions, scale, prune)
-        got, _ = self.triton.attend(params, req, q, positions, scale, prune)
+    def attend(self, params, req, q, positions, scale, prune, slice_end):
+        want, pairs = super().attend(params, req, q, positions, scale, prune, slice_end)
+        got, _ = self.triton.attend(params, req, q, positions, scale, prune, slice_end)
         diff = (got.float() - want.float()).abs()
         self._row("attend", q, params, max_abs_diff=float(diff.max()),
                   ref_max_abs=float(want.float().abs().max()))  # fmt: skip

@@ -1,16 +1,20 @@
-"""One request's attention over the paged cache, by device: PyTorch reference or Triton kernels.
+"""The attention work of one layer, by device: the PyTorch reference or the Triton kernels.
 
-The backend asks the same four questions on every device (dense attention, prune, attend with a
-mask) and gets the same answers; :func:`ops_for` picks the implementation. Both take the paged
-cache ``[num_blocks, 2, block_size, H_kv, D]``, one request's block-table row and its length.
+:class:`AttentionOps` is the interface the backend calls; :func:`ops_for` picks the
+implementation. Prefill works on one request at a time (:class:`RequestKV`: its block-table row
+and length); decode works on all decode rows of a step at once (:class:`decode.DecodeRows`),
+through the masks kept per state slot (:class:`decode.DecodeMasks`). Both read the paged cache
+``[num_blocks, 2, block_size, H_kv, D]``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from vllm_infinitehip.kernels import decode as dec
 from vllm_infinitehip.kernels import reference as ref
 
 
@@ -30,94 +34,126 @@ class RequestKV:
         return self._kv
 
 
+@dataclass
+class DecodeScratch:
+    """Preallocated buffers of a step's decode work (owned by the builder, shared by layers)."""
+
+    scores: list[torch.Tensor]  # per stage [max rows, W_i] float32 at -inf
+    workspace: torch.Tensor | None  # flat float32 split partials (GPU)
+    placement: object | None = None  # triton_decode.QueryPlacement of the layer
+
+
+class AttentionOps(Protocol):
+    """What the backend asks of a device. Pair counts are ints or 0-dim device tensors (the
+    GPU path counts on device, so nothing syncs)."""
+
+    def dense(self, req: RequestKV, q: torch.Tensor, positions: torch.Tensor,
+              scale: float) -> torch.Tensor: ...  # fmt: skip
+
+    def prune(self, params: ref.PruneParams, req: RequestKV, q: torch.Tensor,
+              positions: torch.Tensor, scale: float) -> ref.PruneResult: ...  # fmt: skip
+
+    def attend(self, params: ref.PruneParams, req: RequestKV, q: torch.Tensor,
+               positions: torch.Tensor, scale: float, prune: ref.PruneResult,
+               slice_end: int) -> tuple[torch.Tensor, int | torch.Tensor]: ...  # fmt: skip
+
+    def refresh_decode(self, params: ref.PruneParams, masks: dec.DecodeMasks, q: torch.Tensor,
+                       kv_cache: torch.Tensor, rows: dec.DecodeRows, scale: float,
+                       scratch: DecodeScratch) -> None: ...  # fmt: skip
+
+    def attend_decode(self, params: ref.PruneParams, masks: dec.DecodeMasks, q: torch.Tensor,
+                      kv_cache: torch.Tensor, rows: dec.DecodeRows, scale: float,
+                      out: torch.Tensor, pairs: torch.Tensor,
+                      scratch: DecodeScratch) -> None: ...  # fmt: skip
+
+
 class ReferenceOps:
     """The PyTorch reference: the CPU path."""
 
-    def dense(self, req: RequestKV, q: torch.Tensor, positions: torch.Tensor, scale: float):
+    def dense(self, req, q, positions, scale):
         k, v = req.contiguous()
         return ref.dense_attention(q, k, v, positions, scale)
 
-    def prune(
-        self,
-        params: ref.PruneParams,
-        req: RequestKV,
-        q: torch.Tensor,
-        positions: torch.Tensor,
-        scale: float,
-        start_stage: int = 0,
-        start_input: ref.Candidates | None = None,
-    ) -> ref.PruneResult:
+    def prune(self, params, req, q, positions, scale):
         k, _ = req.contiguous()
-        return ref.run_stages(params, q, k, positions, scale, start_stage, start_input)
+        return ref.run_stages(params, q, k, positions, scale)
 
-    def attend(
-        self,
-        params: ref.PruneParams,
-        req: RequestKV,
-        q: torch.Tensor,
-        positions: torch.Tensor,
-        scale: float,
-        prune: ref.PruneResult,
-    ) -> tuple[torch.Tensor, int]:
+    def attend(self, params, req, q, positions, scale, prune, slice_end):
         """Block-sparse attention; also the exact number of (query, key) pairs attended."""
         k, v = req.contiguous()
         out, _, attended = ref.sparse_attention(params, q, k, v, positions, scale, prune=prune)
         return out, attended
 
+    def refresh_decode(self, params, masks, q, kv_cache, rows, scale, scratch):
+        dec.refresh_masks_reference(params, masks, q, kv_cache, rows, scale)
 
-class TritonOps(ReferenceOps):
-    """Triton kernels over the paged cache: the GPU path. Dense stays on SDPA (short sequences).
+    def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch):
+        o, attended = dec.attend_reference(params, masks, q, kv_cache, rows, scale)
+        out.copy_(o)
+        context = sum(t for t, s in zip(rows.seq_lens.tolist(), rows.slots.tolist()) if s >= 0)
+        pairs += torch.tensor([attended, context], dtype=pairs.dtype)
 
-    RoPE remapping (§2) runs in the kernels too: relative and chunk-indexed pruning, and
-    streaming BSA, for any pairing layout and partial rotary.
-    """
 
-    def prune(self, params, req, q, positions, scale, start_stage=0, start_input=None):
+class TritonOps:
+    """Triton kernels over the paged cache: the GPU path. Dense prefill of short sequences stays
+    on the reference (a gather and SDPA). RoPE remapping (§2) runs in the kernels: relative and
+    chunk-indexed pruning and streaming BSA, for any pairing layout and partial rotary."""
+
+    def dense(self, req, q, positions, scale):
+        k, v = req.contiguous()
+        return ref.dense_attention(q, k, v, positions, scale)
+
+    def prune(self, params, req, q, positions, scale):
         from vllm_infinitehip.kernels.triton_prune import run_stages_paged
 
-        return run_stages_paged(
-            params, q, req.kv_cache, req.block_table_row, positions, scale,
-            start_stage, start_input, seq_len=req.seq_len,
-        )  # fmt: skip
+        return run_stages_paged(params, q, req.kv_cache, req.block_table_row, positions, scale,
+                                seq_len=req.seq_len)  # fmt: skip
 
-    def attend(self, params, req, q, positions, scale, prune):
+    def attend(self, params, req, q, positions, scale, prune, slice_end):
         """As the reference; the pair count is the budget (sink, window, selected blocks), an
-        upper bound, since counting exactly would need the whole key mask."""
+        upper bound, since counting exactly would need the whole key mask.
+
+        The kernels take the queries to be the last ``len(q)`` positions of a sequence. A
+        prefill chunk is attended in slices (body, tail), and keys after a slice's last query
+        are its future, so the slice's sequence ends at ``slice_end`` (from the host: no sync).
+        """
         from vllm_infinitehip.kernels import triton_bsa
 
         streaming = params.rope is not None and params.rope.bsa == "streaming"
-        # The kernels take the queries to be the last len(q) positions of a sequence. A prefill
-        # chunk is attended in slices (body, tail), and keys after a slice's last query are its
-        # future, so the slice's sequence ends at its last position (one host sync per slice).
-        seq_len = req.seq_len if q.shape[0] == 1 else int(positions[-1]) + 1
-        starts = prune.block_starts.to(torch.int32)
         n_valid = prune.block_valid.sum(dim=1, dtype=torch.int32)
-        common = dict(
-            block_size_k=params.block_size_k,
-            sink_tokens=params.sink_tokens,
-            window_tokens=params.window_tokens,
-            scale=scale,
+        out = triton_bsa.sparse_prefill_attention(
+            q, req.kv_cache, req.block_table_row, slice_end, prune.block_starts.to(torch.int32),
+            prune.block_valid, block_size_q=params.block_size_q,
+            block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
+            window_tokens=params.window_tokens, scale=scale,
             rope=params.rope.table if streaming else None,
-        )
-        if q.shape[0] == 1:
-            seq_lens = torch.full((1,), seq_len, dtype=torch.int32, device=q.device)
-            out = triton_bsa.sparse_decode_attention(
-                q, req.kv_cache, req.block_table_row.view(1, -1), seq_lens, starts, n_valid,
-                **common,
-            )  # fmt: skip
-        else:
-            out = triton_bsa.sparse_prefill_attention(
-                q, req.kv_cache, req.block_table_row, seq_len, starts, prune.block_valid,
-                block_size_q=params.block_size_q, **common,
-            )  # fmt: skip
-        blk = ref.query_block_ids(q.shape[0], params.block_size_q).to(q.device)
+        )  # fmt: skip
+        blk = torch.arange(q.shape[0], device=q.device) // params.block_size_q
         budget = params.sink_tokens + params.window_tokens
         if streaming:  # a query sees its whole block's window, from the block's first query
             budget = budget + (positions - positions[blk * params.block_size_q])
         per_query = torch.clamp(positions + 1, max=budget)
         selected = (n_valid.long() * params.block_size_k)[blk]
-        return out, int((per_query + selected).sum())
+        return out, (per_query + selected).sum()
+
+    def refresh_decode(self, params, masks, q, kv_cache, rows, scale, scratch):
+        from vllm_infinitehip.kernels import triton_decode
+
+        triton_decode.refresh_masks(params, masks, q, kv_cache, rows, scale, scratch.scores,
+                                    scratch.placement)  # fmt: skip
+
+    def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch):
+        from vllm_infinitehip.kernels import triton_bsa
+
+        streaming = params.rope is not None and params.rope.bsa == "streaming"
+        triton_bsa.sparse_decode_attention(
+            q, kv_cache, rows.block_table, rows.seq_lens, masks.final, masks.final_counts(),
+            block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
+            window_tokens=params.window_tokens, scale=scale, out=out,
+            rope=params.rope.table if streaming else None, row_slots=rows.slots, stats=pairs,
+            workspace=scratch.workspace,
+        )  # fmt: skip
 
 
-def ops_for(device: torch.device) -> ReferenceOps:
+def ops_for(device: torch.device) -> AttentionOps:
     return TritonOps() if device.type == "cuda" else ReferenceOps()

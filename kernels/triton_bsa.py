@@ -172,6 +172,8 @@ def _decode_split_kernel(
     seq_lens_ptr,
     starts_ptr,
     nvalid_ptr,
+    slot_ptr,
+    stats_ptr,
     part_o_ptr,
     part_lse_ptr,
     rope_hi_ptr,
@@ -188,6 +190,7 @@ def _decode_split_kernel(
     stride_btp,
     stride_sb,
     stride_sk,
+    stride_nv,
     sink_tokens,
     window_tokens,
     qk_scale,
@@ -195,6 +198,8 @@ def _decode_split_kernel(
     inv_cap_scale,
     rope_bias,
     rope_n_hi,
+    HAS_SLOTS: tl.constexpr,
+    HAS_STATS: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -217,6 +222,13 @@ def _decode_split_kernel(
 
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     pos = seq_len - 1
+    if HAS_SLOTS:
+        # starts and counts live in the row's state slot; no slot: a dense row
+        row_slot = tl.load(slot_ptr + b)
+    else:
+        row_slot = b
+    dense = row_slot < 0
+    mask_row = tl.maximum(row_slot, 0).to(tl.int64)
     # Virtual key sequence: [0, sink_len) sink, then window positions [win_lo, pos], then the
     # selected blocks. win_lo >= sink_len, so sink and window never overlap.
     if STREAMING:
@@ -227,9 +239,18 @@ def _decode_split_kernel(
     else:
         sink_len = tl.minimum(sink_tokens, seq_len)
         win_lo = tl.maximum(sink_len, pos - window_tokens + 1)
+    # A dense row's whole context is its window, at true positions.
+    sink_len = tl.where(dense, 0, sink_len)
+    win_lo = tl.where(dense, 0, win_lo)
     n_sw = sink_len + tl.maximum(seq_len - win_lo, 0)
-    n_valid = tl.load(nvalid_ptr + b).to(tl.int32)
+    n_valid = tl.load(nvalid_ptr + mask_row * stride_nv).to(tl.int32)
+    n_valid = tl.where(dense, 0, n_valid)
     total = n_sw + n_valid * BLOCK_K
+    if HAS_STATS:
+        # budget pairs and context pairs of the sparse rows, once per row
+        if (kv_head == 0) & (split == 0) & (~dense) & (seq_len > 0):
+            tl.atomic_add(stats_ptr, total.to(tl.int64))
+            tl.atomic_add(stats_ptr + 1, seq_len.to(tl.int64))
     # Split boundaries are computed here from the live length, so the grid (shapes only) stays
     # graph-capturable while the work stays balanced whatever the request's length.
     per_split = tl.cdiv(tl.cdiv(total, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -247,7 +268,7 @@ def _decode_split_kernel(
         other=0.0,
     )
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    starts_row = starts_ptr + b.to(tl.int64) * stride_sb
+    starts_row = starts_ptr + mask_row * stride_sb
     if STREAMING:
         partner, freq, sign, rot = rope_pair_layout(offs_d, ROT_DIM, IS_NEOX)
         # Streaming position of far-key slot j (sink tokens, then selected tokens):
@@ -682,12 +703,32 @@ def _default_num_splits(max_keys: int, programs: int, device: torch.device, bloc
 
 
 def _decode_workspace(
-    batch: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
+    batch: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device,
+    workspace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scratch for the split partials (a separate function so tests can poison it)."""
-    part_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
-    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=device)
+    """Scratch for the split partials (a separate function so tests can poison it): views of
+    ``workspace`` (flat float32) when given, which a caller preallocates for CUDA graphs."""
+    n = batch * num_heads * num_splits
+    if workspace is None:
+        workspace = torch.empty(n * (head_dim + 1), dtype=torch.float32, device=device)
+    elif workspace.numel() < n * (head_dim + 1):
+        raise ValueError(
+            f"decode workspace holds {workspace.numel()} floats; {n * (head_dim + 1)} needed"
+        )
+    part_o = workspace[: n * head_dim].view(batch, num_heads, num_splits, head_dim)
+    part_lse = workspace[n * head_dim : n * (head_dim + 1)].view(batch, num_heads, num_splits)
     return part_o, part_lse
+
+
+def decode_workspace_floats(
+    max_batch: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+) -> int:
+    """Floats a :func:`sparse_decode_attention` workspace needs for any batch up to
+    ``max_batch`` with the default split count (``batch * splits`` is at most
+    ``batch + 2 * SMs / H_kv``)."""
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
+    rows = max_batch + triton.cdiv(2 * sms, num_kv_heads) + 1
+    return rows * num_heads * (head_dim + 1) * 2
 
 
 def sparse_decode_attention(
@@ -706,6 +747,9 @@ def sparse_decode_attention(
     logit_soft_cap: float = 0.0,
     out: torch.Tensor | None = None,
     rope: RopeTable | None = None,
+    row_slots: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block-sparse attention of one decode query per request; returns ``[B, Hq, D]`` in q's dtype.
 
@@ -727,6 +771,13 @@ def sparse_decode_attention(
     other. The rotation tables are built on the first call for the block table's capacity, so
     build them before capturing a graph. NeoX and GPT-J pairing and partial rotary are
     supported.
+
+    With ``row_slots`` (int32 ``[B]``), row ``b`` reads its blocks from row ``row_slots[b]`` of
+    ``block_starts`` and ``num_valid_blocks`` (one per state slot; any stride), and a row whose
+    slot is negative attends densely to its whole context at true positions. ``stats``
+    (int64 ``[2]``) accumulates, over the rows with a slot, the keys in their budget (sink,
+    window and selected blocks) and their context lengths. ``workspace`` is preallocated
+    scratch (:func:`decode_workspace_floats`).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -746,16 +797,17 @@ def sparse_decode_attention(
         return out
     rope_args, rope_meta = _streaming_args(rope, d, block_table.shape[1] * page_size, q)
     hi_t, lo_t, bias, n_hi = rope_args
-    part_o, part_lse = _decode_workspace(batch, hq, num_splits, d, q.device)
+    part_o, part_lse = _decode_workspace(batch, hq, num_splits, d, q.device, workspace)
     qk_scale, cap_log2e, inv_cap_scale = _softmax_consts(scale, logit_soft_cap)
     # tl.dot needs at least 16 rows; the padding rows are masked on load and store.
     block_h = max(16, triton.next_power_of_2(group))
     _decode_split_kernel[(batch, hkv, num_splits)](
-        q, kv_cache, block_table, seq_lens, block_starts, num_valid_blocks, part_o, part_lse,
-        hi_t, lo_t, *q.stride(), *kv_cache.stride(),
-        *block_table.stride(), *block_starts.stride(),
+        q, kv_cache, block_table, seq_lens, block_starts, num_valid_blocks,
+        seq_lens if row_slots is None else row_slots, seq_lens if stats is None else stats,
+        part_o, part_lse, hi_t, lo_t, *q.stride(), *kv_cache.stride(),
+        *block_table.stride(), *block_starts.stride(), num_valid_blocks.stride(0),
         sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale, bias, n_hi,
-        NUM_HEADS=hq, GROUP=group, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=block_d,
+        HAS_SLOTS=row_slots is not None, HAS_STATS=stats is not None, NUM_HEADS=hq, GROUP=group, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         USE_SOFT_CAP=logit_soft_cap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=4 if block_d <= 128 else 8, **rope_meta,

@@ -1,4 +1,10 @@
-from vllm_infinitehip.mask_state import DecodeStateStore, refresh_level
+"""The refresh schedule and the device-side matching of decode rows to state slots."""
+
+import torch
+
+from vllm_infinitehip.state import DecodeSlots, refresh_level, refresh_levels
+
+INTERVALS = (8, 4, 2)
 
 
 def test_refresh_schedule_matches_intervals():
@@ -14,36 +20,68 @@ def test_refresh_schedule_matches_intervals():
             assert levels[s] == 2
         else:
             assert levels[s] == 3  # reuse
-    # rerun counts over 192 steps: stage 1 twice(+step 0), stage 2 on 24-multiples, ...
     assert sum(1 for x in levels[:192] if x == 0) == 2
     assert sum(1 for x in levels[:192] if x <= 1) == 8
     assert sum(1 for x in levels[:192] if x <= 2) == 24
+    steps = torch.arange(200, dtype=torch.int32)
+    assert refresh_levels(steps, intervals).tolist() == levels
 
 
-def test_store_follows_requests_and_forgets_finished_ones():
-    store = DecodeStateStore()
-    bs = 16
+def table(rows: list[list[int]]) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+
+
+def step(slots: DecodeSlots, rows, seq_lens, sparse=None):
+    sparse = torch.tensor(sparse if sparse is not None else [True] * len(rows))
+    s, lv = slots.assign(table(rows), torch.tensor(seq_lens, dtype=torch.int32), sparse, 16,
+                         INTERVALS)  # fmt: skip
+    return s.tolist(), lv.tolist()
+
+
+def test_slots_follow_requests_and_free_the_ones_that_left():
+    slots = DecodeSlots(4, 3, torch.device("cpu"))
     a = [5, 6, 7]  # request A: 40 tokens -> 3 blocks
     b = [9, 10]  # request B: 20 tokens
-    s1 = store.assign([a, b], [40, 20], bs)
-    assert [s.decode_step for s in s1] == [0, 0]
-    s2 = store.assign([a, b], [41, 21], bs)
-    assert s2[0] is s1[0] and s2[1] is s1[1]
-    assert [s.decode_step for s in s2] == [1, 1]
-    # B finished: its state is dropped; A continues
-    s3 = store.assign([a], [42], bs)
-    assert s3[0] is s1[0] and len(store) == 1
-    # a new request reusing B's blocks gets a fresh state
-    s4 = store.assign([a, [9, 10]], [43, 30], bs)
-    assert s4[0] is s1[0] and s4[1] is not s1[1] and s4[1].decode_step == 0
-    # a length jump (not exactly one new token) is not the same request
-    s5 = store.assign([a + [8], None], [50, 0], bs)
-    assert s5[0] is not s1[0] and s5[1] is None
+    s0, lv0 = step(slots, [a, b], [40, 20])
+    assert sorted(s0) == [0, 1] and lv0 == [0, 0] and slots.live() == 2
+    s1, lv1 = step(slots, [a, b], [41, 21])
+    assert s1 == s0 and lv1 == [3, 3]  # step 1 of (8, 4, 2): reuse
+    s2, lv2 = step(slots, [a, b], [42, 22])
+    assert s2 == s0 and lv2 == [2, 2]
+    # B left (finished, aborted or preempted): its slot is free after this step
+    s3, _ = step(slots, [a], [43])
+    assert s3 == [s0[0]] and slots.live() == 1
+    # a new request on B's old blocks, and a length jump on A's: both start afresh
+    s4, lv4 = step(slots, [a + [8], [9, 10]], [50, 30])
+    assert lv4 == [0, 0] and slots.live() == 2
+    # a step without sparse rows keeps nothing
+    step(slots, [a + [8]], [51], sparse=[False])
+    assert slots.live() == 0
+    # levels are counted once per row and step: 4 + 2 + 2 + 1 + 2 rows had slots
+    counts = slots.level_counts.tolist()
+    assert counts[:4] == [2 + 2, 0, 2, 2 + 1] and counts[4] == 1
 
 
-def test_store_rows_sharing_all_blocks_get_separate_states():
-    store = DecodeStateStore()
-    s1 = store.assign([[1, 2], [1, 3]], [20, 20], 16)
-    assert s1[0] is not s1[1]
-    s2 = store.assign([[1, 2], [1, 3]], [21, 21], 16)
-    assert s2[0] is s1[0] and s2[1] is s1[1]
+def test_a_block_crossing_keeps_the_slot():
+    slots = DecodeSlots(2, 3, torch.device("cpu"))
+    s0, _ = step(slots, [[3]], [16])  # position 15 is the last of block 3
+    s1, lv = step(slots, [[3, 4]], [17])  # previous token in block 3, this one in block 4
+    assert s1 == s0 and lv == [3]
+    s2, _ = step(slots, [[3, 4]], [18])
+    assert s2 == s0
+
+
+def test_rows_claiming_one_slot_get_separate_ones():
+    """Two rows whose previous token sits in one shared block at one length: the earlier row
+    keeps the slot, the other starts afresh (prefix caching can share a full block)."""
+    slots = DecodeSlots(4, 3, torch.device("cpu"))
+    s0, _ = step(slots, [[1, 2]], [20])
+    s1, lv = step(slots, [[1, 2], [1, 2]], [21, 21])
+    assert s1[0] == s0[0] and s1[1] != s0[0] and lv == [3, 0]
+
+
+def test_more_rows_than_slots_leaves_the_rest_dense():
+    slots = DecodeSlots(1, 3, torch.device("cpu"))
+    s0, lv = step(slots, [[1], [2]], [10, 10])
+    assert s0 == [0, -1] and lv == [0, -1]

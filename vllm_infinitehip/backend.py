@@ -1,8 +1,17 @@
 """The ``INFINITEHIP`` attention backend for vLLM 0.26, modelled on ``triton_attn.py``.
 
-Four classes in data-flow order: the per-step metadata, its builder (once per step, all layers:
-which rows decode sparsely and at which refresh level), the backend (what vLLM asks before it
-runs), and the impl (per layer: write KV, then dense, sparse-prefill or sparse-decode attention).
+Four classes in data-flow order, shaped like FlashInfer's plan/run:
+
+- the per-step metadata;
+- its builder, which plans the step once for all layers: decode rows first, each sparse decode
+  row's state slot and refresh level matched on the device (:mod:`vllm_infinitehip.state`), and
+  the scratch every layer shares, preallocated for ``max_num_seqs``. No block-table row crosses
+  to the host;
+- the backend (what vLLM asks before it runs);
+- the impl, which runs each layer: write KV, then one batched pruning cascade and one split-K
+  block-sparse launch for all decode rows (no host work, so vLLM captures it in CUDA graphs),
+  then the prefill chunks.
+
 The compute lives in ``vllm_infinitehip.kernels``; this file decides what to run.
 
 KV cache layout: ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` on every device, so the
@@ -12,9 +21,10 @@ PyTorch reference (CPU) and the GPU kernels read the same cache.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from vllm.config import VllmConfig
@@ -32,36 +42,97 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_infinitehip.config import InfiniteHiPConfig
+from vllm_infinitehip.kernels import decode as dec
 from vllm_infinitehip.kernels import reference as ref
-from vllm_infinitehip.kernels.ops import ReferenceOps, RequestKV, ops_for
-from vllm_infinitehip.mask_state import LEVEL_NONE, DecodeState, DecodeStateStore, refresh_level
-from vllm_infinitehip.metrics import AttentionStats
+from vllm_infinitehip.kernels.ops import AttentionOps, DecodeScratch, RequestKV, ops_for
+from vllm_infinitehip.state import DecodeSlots
 
 # Under the "vllm" namespace so that vLLM's logging configuration (handlers, level) applies.
 logger = init_logger(f"vllm.{__name__}")
 
 
+def layer_prune_params(
+    config: InfiniteHiPConfig, layer_index: int, rope: ref.RopePlan | None = None
+) -> ref.PruneParams:
+    """A layer's pruning parameters: the config's stages, its final budget (§1.2)."""
+    stages = [
+        ref.StageParams(s.chunk_size, s.keep_tokens, s.block_size_q, s.query_stride)
+        for s in config.stages
+    ]
+    last = stages[-1]
+    stages[-1] = dataclasses.replace(last, keep_tokens=config.final_keep_for_layer(layer_index))
+    return ref.PruneParams(
+        sink_tokens=config.sink_tokens,
+        window_tokens=config.window_tokens,
+        stages=tuple(stages),
+        probe=config.probe,
+        rope=rope,
+    )
+
+
+def _current_device(vllm_config: VllmConfig) -> torch.device:
+    device = torch.device(vllm_config.device_config.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _layer_index(layer_name: str) -> int:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(layer_name)
+
+
+@dataclass
+class StepCounters:
+    """What the builder counted, per step and identical for every layer of its group (host
+    ints: vLLM hands the lengths over on the host), plus decode rows by refresh level (device,
+    in :class:`DecodeSlots`)."""
+
+    dense_queries: int = 0
+    sparse_prefill_queries: int = 0
+    sparse_decode_queries: int = 0
+
+    def reset(self) -> None:
+        self.dense_queries = self.sparse_prefill_queries = self.sparse_decode_queries = 0
+
+
+@dataclass
+class StepPlan:
+    """State the builder owns and every layer of its group reads: request slots, each layer's
+    masks per slot, scratch, counters."""
+
+    slots: DecodeSlots
+    masks: dict[str, dec.DecodeMasks]
+    scratch: DecodeScratch
+    counters: StepCounters = field(default_factory=StepCounters)
+    decode_block_table: torch.Tensor | None = None
+
+
 @dataclass
 class InfiniteHiPMetadata:
     num_actual_tokens: int
-    max_query_len: int
     query_start_loc: torch.Tensor
-    max_seq_len: int
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
-    # host copies, one entry per request
+    # decode rows come first: rows [0, num_decodes) hold one query each, tokens [0, num_decodes)
+    num_decodes: int
+    decode: dec.DecodeRows | None
+    # whether any decode row may run sparse; a graph capture always runs the cascade
+    run_cascade: bool
+    # host copies for the prefill rows (the whole batch; decode rows are not read)
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
-    # per request: its decode state (None unless it decodes sparsely) and refresh level
-    decode_states: list[DecodeState | None]
-    refresh_levels: list[int]
+    plan: StepPlan
 
 
 class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
-    # build() matches requests to their decode state on the host (block-table rows, lengths), so
-    # the attention op runs outside CUDA graphs; FULL graphs need that matching on device.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # Decode needs no host work per layer, so vLLM may capture uniform decode batches in full
+    # CUDA graphs; mixed batches run attention eagerly between piecewise graphs.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
 
     def __init__(
         self,
@@ -71,10 +142,46 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         device: torch.device,
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1)
         self.config = InfiniteHiPConfig.from_vllm_config(vllm_config)
         self.block_size = kv_cache_spec.block_size
-        self.decode_states = DecodeStateStore()
+        self.threshold = self.config.effective_dense_threshold
+        max_rows = vllm_config.scheduler_config.max_num_seqs
+        max_len = vllm_config.model_config.max_model_len
+        params = {name: layer_prune_params(self.config, _layer_index(name)) for name in layer_names}
+        final_keep = max(p.stages[-1].keep_tokens for p in params.values())
+        masks = {
+            name: dec.DecodeMasks.allocate(p, final_keep, max_rows, device)
+            for name, p in params.items()
+        }
+        any_params = next(iter(params.values()))
+        scores = dec.allocate_scores(dec.stage_widths(any_params, max_len), max_rows, device)
+        workspace = None
+        if device.type == "cuda":
+            from vllm_infinitehip.kernels.triton_bsa import decode_workspace_floats
+
+            model = vllm_config.model_config
+            par = vllm_config.parallel_config
+            n = decode_workspace_floats(max_rows, model.get_num_attention_heads(par),
+                                        model.get_num_kv_heads(par), model.get_head_size(),
+                                        device)  # fmt: skip
+            workspace = torch.empty(n, dtype=torch.float32, device=device)
+        self.plan = StepPlan(
+            DecodeSlots(max_rows, len(self.config.stages), device), masks,
+            DecodeScratch(scores, workspace),
+        )  # fmt: skip
+        i32 = dict(dtype=torch.int32, device=device)
+        # persistent per-row buffers: what a captured graph reads is rewritten each step
+        self._row_slots = torch.full((max_rows,), -1, **i32)
+        self._row_levels = torch.full((max_rows,), -1, **i32)
+        self._row_seq_lens = torch.zeros(max_rows, **i32)
         logger.info_once("InfiniteHiP config: %s", self.config.summary())
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> InfiniteHiPMetadata:
+        # The graph must hold the whole cascade: at replay, rows decide on device what runs.
+        return self._build(common_attn_metadata, capture=True)
 
     def build(
         self,
@@ -82,38 +189,62 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> InfiniteHiPMetadata:
-        m = common_attn_metadata
-        qsl = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
-        seq_lens = m.seq_lens.cpu()[: m.num_reqs].tolist()
-        threshold = self.config.effective_dense_threshold
-        decode_rows = [
-            i
-            for i in range(m.num_reqs)
-            if qsl[i + 1] - qsl[i] == 1 and seq_lens[i] > threshold
-        ]
-        rows: list[list[int] | None] = [None] * m.num_reqs
-        if decode_rows:
-            table = m.block_table_tensor[decode_rows].cpu()
-            for j, i in enumerate(decode_rows):
-                n_blocks = (seq_lens[i] + self.block_size - 1) // self.block_size
-                rows[i] = table[j, :n_blocks].tolist()
-        states = self.decode_states.assign(rows, seq_lens, self.block_size)
-        levels = [
-            LEVEL_NONE if st is None else refresh_level(st.decode_step, self.config.refresh_intervals)
-            for st in states
-        ]
+        return self._build(common_attn_metadata, capture=False)
+
+    def _build(self, m: CommonAttentionMetadata, capture: bool) -> InfiniteHiPMetadata:
+        n = m.num_reqs
+        qsl = m.query_start_loc_cpu[: n + 1].numpy()
+        query_lens = np.diff(qsl)
+        if m.seq_lens_cpu_upper_bound is not None:
+            # exact for prefill rows, and for decode rows without speculative decoding
+            seq_lens_host = m.seq_lens_cpu_upper_bound[:n].numpy()
+        else:  # the CPU runner's seq_lens are host tensors: no sync
+            seq_lens_host = m.seq_lens[:n].cpu().numpy()
+        not_decode = np.flatnonzero(query_lens != 1)
+        num_decodes = int(not_decode[0]) if not_decode.size else n
+        dec_lens = seq_lens_host[:num_decodes]
+        sparse_host = dec_lens > self.threshold
+        counters = self.plan.counters
+        if not capture:
+            n_sparse = int(sparse_host.sum())
+            counters.sparse_decode_queries += n_sparse
+            counters.dense_queries += int((dec_lens > 0).sum()) - n_sparse
+            for i in range(num_decodes, n):
+                if seq_lens_host[i] <= self.threshold:
+                    counters.dense_queries += int(query_lens[i])
+                else:
+                    counters.sparse_prefill_queries += int(query_lens[i])
+
+        decode = None
+        slots = self.plan.slots
+        if num_decodes:
+            seq_lens = m.seq_lens[:num_decodes]
+            block_table = m.block_table_tensor[:num_decodes]
+            row_slots, row_levels = slots.assign(
+                block_table, seq_lens, seq_lens > self.threshold, self.block_size,
+                self.config.refresh_intervals,
+            )  # fmt: skip
+            self._row_slots[:num_decodes].copy_(row_slots)
+            self._row_levels[:num_decodes].copy_(row_levels)
+            self._row_seq_lens[:num_decodes].copy_(seq_lens)
+            decode = dec.DecodeRows(
+                block_table, self._row_seq_lens[:num_decodes], self._row_slots[:num_decodes],
+                self._row_levels[:num_decodes],
+            )  # fmt: skip
+        elif not capture:
+            slots.release_all()
         return InfiniteHiPMetadata(
             num_actual_tokens=m.num_actual_tokens,
-            max_query_len=m.max_query_len,
             query_start_loc=m.query_start_loc,
-            max_seq_len=m.max_seq_len,
             seq_lens=m.seq_lens,
             block_table=m.block_table_tensor,
             slot_mapping=m.slot_mapping,
-            query_start_loc_host=qsl,
-            seq_lens_host=seq_lens,
-            decode_states=states,
-            refresh_levels=levels,
+            num_decodes=num_decodes,
+            decode=decode,
+            run_cascade=capture or bool(sparse_host.any()),
+            query_start_loc_host=qsl.tolist(),
+            seq_lens_host=seq_lens_host.tolist(),
+            plan=self.plan,
         )
 
 
@@ -208,8 +339,8 @@ class InfiniteHiPImpl(AttentionImpl):
 
         vllm_config = get_current_vllm_config()
         self.config = InfiniteHiPConfig.from_vllm_config(vllm_config)
-        self.stats = AttentionStats()
         model_config = vllm_config.model_config
+        self.max_model_len = model_config.max_model_len
         trained = (
             self.config.trained_context
             or getattr(model_config.hf_text_config, "max_position_embeddings", None)
@@ -226,39 +357,45 @@ class InfiniteHiPImpl(AttentionImpl):
             self._rope_table = RopeTable.from_vllm(
                 head_size, model_config.hf_text_config, dtype=model_config.dtype
             )
-        # metrics.collect_recall sets a list here: recall of each prefill chunk's final query and
-        # of each decode query goes to it
+        # Set by metrics.collect_recall: recall of each prefill chunk's final query and of each
+        # sparse decode query goes here (an optional observer; it reads back to the host).
         self.recall_log: list[dict] | None = None
+        # Device state is made here, not on the first forward, which may be inside a CUDA-graph
+        # capture: (attended, context) pairs of this layer's sparse queries, and the RoPE
+        # tables and fixed query turns of both pruning styles a layer may use.
+        device = _current_device(vllm_config)
+        self.pairs = torch.zeros(2, dtype=torch.int64, device=device)
+        self._placements: dict[str, object] = {}
+        if self._rope_table is not None and device.type == "cuda":
+            from vllm_infinitehip.kernels import triton_decode
+            from vllm_infinitehip.kernels.triton_rope import delta_tables
+
+            bound = 4 * self.max_model_len + (1 << 16)
+            delta_tables(self._rope_table, bound, device)
+            scan_window = self.config.window_tokens - self.config.stages[0].chunk_size
+            for style in ("relative", "chunk-indexed"):
+                self._placements[style] = triton_decode.QueryPlacement.build(
+                    style, self._rope_table, scan_window, device
+                )
+        self.plan: StepPlan | None = None
         self._params: ref.PruneParams | None = None
         self._tail_params: ref.PruneParams | None = None
         self._layer_name: str | None = None
+        self._scratch: DecodeScratch | None = None
 
-    def _prune_params(self, layer: AttentionLayer) -> ref.PruneParams:
-        if self._params is None:
-            from vllm.model_executor.models.utils import extract_layer_index
-
-            self._layer_name = layer.layer_name
-            layer_index = extract_layer_index(layer.layer_name)
-            final_keep = self.config.final_keep_for_layer(layer_index)
-            stages = [
-                ref.StageParams(s.chunk_size, s.keep_tokens, s.block_size_q, s.query_stride)
-                for s in self.config.stages
-            ]
-            last = stages[-1]
-            stages[-1] = ref.StageParams(
-                last.chunk_size, final_keep, last.block_size_q, last.query_stride
-            )
-            self._params = ref.PruneParams(
-                sink_tokens=self.config.sink_tokens,
-                window_tokens=self.config.window_tokens,
-                stages=tuple(stages),
-                probe=self.config.probe,
-                rope=self._rope_plan(layer_index),
-            )
-            tail_window = self.config.tail_window(self.trained_context)
-            if tail_window is not None:
-                self._tail_params = dataclasses.replace(self._params, window_tokens=tail_window)
-        return self._params
+    # ---------------------------------------------------------------- once per layer
+    def _setup(self, layer: AttentionLayer, plan: StepPlan) -> None:
+        """This layer's parameters, on its first forward (host work only)."""
+        self._layer_name = layer.layer_name
+        layer_index = _layer_index(layer.layer_name)
+        self._params = layer_prune_params(self.config, layer_index, self._rope_plan(layer_index))
+        tail_window = self.config.tail_window(self.trained_context)
+        if tail_window is not None:
+            self._tail_params = dataclasses.replace(self._params, window_tokens=tail_window)
+        self.plan = plan
+        rope = self._params.rope
+        placement = self._placements.get(rope.pruning) if rope is not None else None
+        self._scratch = dataclasses.replace(plan.scratch, placement=placement)
 
     def _rope_plan(self, layer_index: int) -> ref.RopePlan | None:
         """This layer's position remapping when extending past the trained length (§2)."""
@@ -270,46 +407,7 @@ class InfiniteHiPImpl(AttentionImpl):
             bsa=self.config.rope_bsa,
         )
 
-    def _sparse_prefill(
-        self, ops: ReferenceOps, params: ref.PruneParams, req: RequestKV, q: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> tuple[torch.Tensor, int]:
-        """Sparse attention for a prefill chunk: its last query block uses the tail window, and
-        its final query (the next token's) may be pruned alone (``prefill_final_query_own_mask``)."""
-        n = q.shape[0]
-        tail_params = self._tail_params or params
-        tail = params.block_size_q if self._tail_params is not None else 0
-        last = n - 1 if self.config.prefill_final_query_own_mask else n
-        body_end = max(0, min(n - tail, last))
-        bounds = [(params, 0, body_end), (tail_params, body_end, last), (tail_params, last, n)]
-        parts = [(p, slice(lo, hi)) for p, lo, hi in bounds if hi > lo]
-        outs, attended = [], 0
-        for p, sl in parts:
-            prune = ops.prune(p, req, q[sl], positions[sl], self.scale)
-            o, pairs = ops.attend(p, req, q[sl], positions[sl], self.scale, prune)
-            outs.append(o)
-            attended += pairs
-        if self.recall_log is not None:
-            self._log_recall("final-prompt", p, req, q[-1:], positions[-1:], prune)
-        return torch.cat(outs) if len(outs) > 1 else outs[0], attended
-
-    def _log_recall(
-        self, query: str, params: ref.PruneParams, req: RequestKV, q: torch.Tensor,
-        positions: torch.Tensor, prune: ref.PruneResult,
-    ) -> None:
-        """Dense softmax mass on the keys one query attended (exact, reference math)."""
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        k, _ = req.contiguous()
-        mask = ref.sparse_key_mask(
-            params, req.seq_len, positions, prune.block_starts[-1:], prune.block_valid[-1:]
-        )
-        recall = ref.attention_recall(q, k, positions, mask, self.scale)[0]
-        self.recall_log.append({
-            "query": query, "layer": extract_layer_index(self._layer_name), "seq_len": req.seq_len,
-            "recall": float(recall.mean()), "recall_min_head": float(recall.min()),
-        })  # fmt: skip
-
+    # ---------------------------------------------------------------- per step
     def do_kv_cache_update(
         self,
         layer: AttentionLayer,
@@ -318,7 +416,19 @@ class InfiniteHiPImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        ref.write_paged_kv(kv_cache, key, value, slot_mapping)
+        if kv_cache.device.type == "cuda":
+            from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
+                triton_reshape_and_cache_flash,
+            )
+
+            # vLLM's own kernel: strided K/V planes of our layout, padding slots (-1) skipped,
+            # no host sync
+            triton_reshape_and_cache_flash(
+                key, value, kv_cache[:, 0], kv_cache[:, 1], slot_mapping, self.kv_cache_dtype,
+                layer._k_scale, layer._v_scale,
+            )  # fmt: skip
+        else:
+            ref.write_paged_kv(kv_cache, key, value, slot_mapping)
 
     def forward(
         self,
@@ -337,61 +447,105 @@ class InfiniteHiPImpl(AttentionImpl):
             raise NotImplementedError("infinitehip does not fuse output quantization")
         if attn_metadata is None:  # profiling run
             return output.fill_(0)
-        params = self._prune_params(layer)
-        n_stages = len(params.stages)
         m = attn_metadata
+        if self._params is None:
+            self._setup(layer, m.plan)
         out = output[: m.num_actual_tokens].view(-1, self.num_heads, self.head_size)
         q_all = query[: m.num_actual_tokens].view(-1, self.num_heads, self.head_size)
-        threshold = self.config.effective_dense_threshold
         ops = ops_for(q_all.device)
-        for i, seq_len in enumerate(m.seq_lens_host):
-            lo, hi = m.query_start_loc_host[i], m.query_start_loc_host[i + 1]
-            if hi == lo:
-                continue
-            q = q_all[lo:hi]
-            req = RequestKV(kv_cache, m.block_table[i], seq_len)
-            positions = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
-            if seq_len <= threshold:
-                out[lo:hi] = ops.dense(req, q, positions, self.scale)
-                self.stats.dense_queries += hi - lo
-                continue
-            state = m.decode_states[i]
-            if state is None:  # a prefill chunk (or a lone query outside decode tracking)
-                o, attended = self._sparse_prefill(ops, params, req, q, positions)
-                self.stats.sparse_prefill_queries += hi - lo
-            else:
-                level = m.refresh_levels[i]
-                prune = self._decode_mask(ops, params, state, level, req, q, positions)
-                o, attended = ops.attend(params, req, q, positions, self.scale, prune)
-                if self.recall_log is not None:
-                    self._log_recall("decode", params, req, q, positions, prune)
-                self.stats.sparse_decode_queries += 1
-                self.stats.count_refresh(level, n_stages)
-            out[lo:hi] = o
-            self.stats.sparse_attended_pairs += attended
-            self.stats.sparse_context_pairs += int((positions + 1).sum())
+        nd = m.num_decodes
+        if nd:
+            self._decode(ops, q_all[:nd], out[:nd], kv_cache, m)
+        for i in range(nd, len(m.seq_lens_host)):
+            self._prefill_row(ops, i, q_all, out, kv_cache, m)
         return output
 
-    def _decode_mask(
-        self,
-        ops: ReferenceOps,
-        params: ref.PruneParams,
-        state: DecodeState,
-        level: int,
-        req: RequestKV,
-        q: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> ref.PruneResult:
-        """The decode mask at this step's refresh level, from this layer's cached stage inputs."""
-        cached: ref.PruneResult | None = state.layers.get(self._layer_name)
-        n_stages = len(params.stages)
-        if cached is None:
-            level = 0
-        if level >= n_stages:
-            return cached
-        start_input = None if level == 0 else cached.stage_inputs[level]
-        prune = ops.prune(params, req, q, positions, self.scale, level, start_input)
-        if level > 0:
-            prune.stage_inputs = cached.stage_inputs[:level] + prune.stage_inputs
-        state.layers[self._layer_name] = prune
-        return prune
+    def _decode(
+        self, ops: AttentionOps, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
+        m: InfiniteHiPMetadata,
+    ) -> None:
+        """All decode rows: one cascade (rows due for a refresh, each from its own level), then
+        one block-sparse launch (dense rows attend to everything). No host work on the GPU."""
+        masks = m.plan.masks[self._layer_name]
+        rows = m.decode
+        if m.run_cascade:
+            ops.refresh_decode(self._params, masks, q, kv_cache, rows, self.scale, self._scratch)
+        ops.attend_decode(self._params, masks, q, kv_cache, rows, self.scale, out, self.pairs,
+                          self._scratch)  # fmt: skip
+        if self.recall_log is not None:
+            self._log_decode_recall(masks, q, kv_cache, rows)
+
+    def _prefill_row(
+        self, ops: AttentionOps, i: int, q_all: torch.Tensor, out: torch.Tensor,
+        kv_cache: torch.Tensor, m: InfiniteHiPMetadata,
+    ) -> None:
+        lo, hi = m.query_start_loc_host[i], m.query_start_loc_host[i + 1]
+        if hi == lo:
+            return
+        seq_len = m.seq_lens_host[i]
+        q = q_all[lo:hi]
+        req = RequestKV(kv_cache, m.block_table[i], seq_len)
+        positions = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
+        if seq_len <= self.config.effective_dense_threshold:
+            out[lo:hi] = ops.dense(req, q, positions, self.scale)
+            return
+        o, attended = self._sparse_prefill(ops, req, q, positions)
+        out[lo:hi] = o
+        n = hi - lo
+        # sum of (p + 1) over the chunk's positions, from host ints
+        context = n * seq_len - n * (n - 1) // 2
+        self.pairs[0] += attended
+        self.pairs[1] += context
+
+    def _sparse_prefill(
+        self, ops: AttentionOps, req: RequestKV, q: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, int | torch.Tensor]:
+        """Sparse attention for a prefill chunk: its last query block uses the tail window, and
+        its final query (the next token's) may be pruned alone (``prefill_final_query_own_mask``)."""
+        params = self._params
+        n = q.shape[0]
+        tail_params = self._tail_params or params
+        tail = params.block_size_q if self._tail_params is not None else 0
+        last = n - 1 if self.config.prefill_final_query_own_mask else n
+        body_end = max(0, min(n - tail, last))
+        bounds = [(params, 0, body_end), (tail_params, body_end, last), (tail_params, last, n)]
+        parts = [(p, lo, hi) for p, lo, hi in bounds if hi > lo]
+        first_pos = req.seq_len - n
+        outs, attended = [], 0
+        for p, lo, hi in parts:
+            prune = ops.prune(p, req, q[lo:hi], positions[lo:hi], self.scale)
+            o, pairs = ops.attend(p, req, q[lo:hi], positions[lo:hi], self.scale, prune,
+                                  first_pos + hi)  # fmt: skip
+            outs.append(o)
+            attended = attended + pairs
+        if self.recall_log is not None:
+            self._log_recall("final-prompt", p, req, q[-1:], positions[-1:], prune)
+        return torch.cat(outs) if len(outs) > 1 else outs[0], attended
+
+    # ---------------------------------------------------------------- recall observer
+    def _log_decode_recall(
+        self, masks: dec.DecodeMasks, q: torch.Tensor, kv_cache: torch.Tensor,
+        rows: dec.DecodeRows,
+    ) -> None:
+        for b, (slot, seq_len) in enumerate(zip(rows.slots.tolist(), rows.seq_lens.tolist())):
+            if slot < 0:
+                continue
+            req = RequestKV(kv_cache, rows.block_table[b], seq_len)
+            positions = torch.tensor([seq_len - 1], device=q.device)
+            self._log_recall("decode", self._params, req, q[b : b + 1], positions,
+                             masks.prune_result(slot))  # fmt: skip
+
+    def _log_recall(
+        self, query: str, params: ref.PruneParams, req: RequestKV, q: torch.Tensor,
+        positions: torch.Tensor, prune: ref.PruneResult,
+    ) -> None:
+        """Dense softmax mass on the keys one query attended (exact, reference math)."""
+        k, _ = req.contiguous()
+        mask = ref.sparse_key_mask(
+            params, req.seq_len, positions, prune.block_starts[-1:], prune.block_valid[-1:]
+        )
+        recall = ref.attention_recall(q, k, positions, mask, self.scale)[0]
+        self.recall_log.append({
+            "query": query, "layer": _layer_index(self._layer_name), "seq_len": req.seq_len,
+            "recall": float(recall.mean()), "recall_min_head": float(recall.min()),
+        })  # fmt: skip

@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass
 class AttentionStats:
-    """Work done by one layer since start (or since :meth:`reset`)."""
+    """Work done by the layers since start (or since the last ``collect_stats(reset=True)``)."""
 
     dense_queries: int = 0
     sparse_prefill_queries: int = 0
@@ -19,31 +19,12 @@ class AttentionStats:
     # decode steps by refresh level: "0".."N-1" rerun from stage i, "reuse" kept the mask
     refreshes: dict[str, int] = field(default_factory=dict)
 
-    def count_refresh(self, level: int, n_stages: int) -> None:
-        key = "reuse" if level >= n_stages else str(level)
-        self.refreshes[key] = self.refreshes.get(key, 0) + 1
-
-    def merge(self, other: AttentionStats) -> None:
-        for name in (
-            "dense_queries",
-            "sparse_prefill_queries",
-            "sparse_decode_queries",
-            "sparse_attended_pairs",
-            "sparse_context_pairs",
-        ):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for k, v in other.refreshes.items():
-            self.refreshes[k] = self.refreshes.get(k, 0) + v
-
     @property
     def sparsity(self) -> float:
         """Share of the dense (query, key) pairs that sparse attention skipped."""
         if not self.sparse_context_pairs:
             return 0.0
         return 1.0 - self.sparse_attended_pairs / self.sparse_context_pairs
-
-    def reset(self) -> None:
-        self.__init__()  # type: ignore[misc]
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "sparsity": self.sparsity}
@@ -76,15 +57,42 @@ def collect_recall(worker: Any, enable: bool = True) -> list[dict[str, Any]]:
 
 
 def collect_stats(worker: Any, reset: bool = False) -> dict[str, Any]:
-    """Sum the counters of every InfiniteHiP layer in a worker.
+    """Sum the counters of every InfiniteHiP layer in a worker (one host read of the device
+    counters, so ask between steps, not per token).
 
     Use through vLLM's own RPC: ``llm.collective_rpc(collect_stats)``. Returns a dict with the
-    summed counters and ``layers``, the number of layers that contributed.
+    summed counters, ``layers`` (the number of layers that contributed) and ``live_slots`` (decode
+    state slots owned now: a finished, aborted or preempted request's slot is freed at the next
+    step).
     """
     total = AttentionStats()
     impls = _impls(worker)
+    plans: dict[int, tuple[Any, int]] = {}
     for impl in impls:
-        total.merge(impl.stats)
+        if impl.plan is None:  # never ran
+            continue
+        plan, n = plans.get(id(impl.plan), (impl.plan, 0))
+        plans[id(impl.plan)] = (plan, n + 1)
+        attended, context = impl.pairs.tolist()
+        total.sparse_attended_pairs += attended
+        total.sparse_context_pairs += context
         if reset:
-            impl.stats.reset()
-    return {**total.to_dict(), "layers": len(impls)}
+            impl.pairs.zero_()
+    live = 0
+    for plan, n_layers in plans.values():
+        # the builder counts once per step what every layer of its group does
+        c = plan.counters
+        total.dense_queries += n_layers * c.dense_queries
+        total.sparse_prefill_queries += n_layers * c.sparse_prefill_queries
+        total.sparse_decode_queries += n_layers * c.sparse_decode_queries
+        levels = plan.slots.level_counts.tolist()
+        n_stages = len(levels) - 2
+        for i, count in enumerate(levels[: n_stages + 1]):
+            if count:
+                key = "reuse" if i == n_stages else str(i)
+                total.refreshes[key] = total.refreshes.get(key, 0) + n_layers * count
+        live += plan.slots.live()
+        if reset:
+            c.reset()
+            plan.slots.level_counts.zero_()
+    return {**total.to_dict(), "layers": len(impls), "live_slots": live}

@@ -1,0 +1,482 @@
+"""Decode masks for a whole batch: one pruning cascade for every decode row of a step (§1.4-§1.6).
+
+Per layer and stage, two launches serve all decode rows, whatever their refresh levels:
+
+- :func:`_decode_select_kernel` (grid: rows x chunk tiles x KV heads) is SelectRep for one
+  decode query per row over that row's candidate chunks. The query heads of a KV group share a
+  program, so the keys they probe first (the same midpoints) are read once, and their scores are
+  max-reduced in registers, then across KV groups with an atomic max into ``scores[row, chunk]``.
+- :func:`_top_chunks_kernel` (grid: rows) keeps each row's top ``keep`` chunks by score, in
+  position order, and splits them into the next stage's chunks (or, after the last stage, writes
+  the final blocks) in the row's state slot. It resets the scores it read to -inf, so the scratch
+  needs no clearing launch.
+
+A row takes part in stage ``i`` only if its refresh level is ``<= i`` (``-1``: a row without a
+slot takes part in nothing), so the launch sequence is the same for every step and can be
+captured in a CUDA graph; rows that reuse their mask exit at once.
+
+Layout of one layer's masks (:class:`DecodeMasks`), per state slot: the input of every stage
+``i >= 1`` (chunk starts, valid entries first), the final blocks, and per stage the number of
+valid entries and the candidate-list width (the ordinal count chunk-indexed RoPE uses). Stage 0's
+input is never stored: it is every stage-0 chunk of the live context.
+
+The PyTorch reference of this cascade is :func:`decode.refresh_masks_reference`
+(:func:`reference.run_stages` row by row from the same stored inputs); tests compare the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference as ref
+from .decode import DecodeMasks, DecodeRows
+from .triton_rope import (
+    LO_BITS,
+    check_layout,
+    delta_cos_sin,
+    delta_tables,
+    rope_pair_layout,
+    rotate_pairs,
+)
+
+ROPE_NONE, ROPE_RELATIVE, ROPE_CHUNK_INDEXED = 0, 1, 2
+_ROPE_CODES = {"none": ROPE_NONE, "relative": ROPE_RELATIVE, "chunk-indexed": ROPE_CHUNK_INDEXED}
+
+
+# --------------------------------------------------------------------------- kernels
+@triton.jit
+def _probe(
+    k_head_ptr,
+    bt_row,
+    stride_btp,
+    pos,
+    mask,
+    q,
+    offs_d,
+    d_in,
+    stride_kpage,
+    stride_ktok,
+    stride_kd,
+    delta,
+    partner,
+    freq,
+    sign,
+    rot,
+    rope_hi_ptr,
+    rope_lo_ptr,
+    rope_bias,
+    rope_n_hi,
+    PAGE_SIZE: tl.constexpr,
+    ROPE: tl.constexpr,
+    HALF: tl.constexpr,
+    LO_BITS: tl.constexpr,
+):
+    """q . k (fp32) of one query at each key position in ``pos``, keys turned by ``delta``."""
+    page = tl.load(bt_row + (pos // PAGE_SIZE) * stride_btp, mask=mask, other=0).to(tl.int64)
+    # int64: a large cache spans more than 2**31 elements.
+    row = page * stride_kpage + (pos % PAGE_SIZE).to(tl.int64) * stride_ktok
+    m2 = mask[:, None] & d_in[None, :]
+    k = tl.load(k_head_ptr + row[:, None] + offs_d[None, :] * stride_kd, mask=m2, other=0.0)
+    k = k.to(tl.float32)
+    if ROPE:
+        k_pair = tl.load(k_head_ptr + row[:, None] + partner[None, :] * stride_kd, mask=m2,
+                         other=0.0)  # fmt: skip
+        cos, sin = delta_cos_sin(
+            delta, mask, freq, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, HALF, LO_BITS
+        )
+        k = rotate_pairs(k, k_pair, cos, sin, sign)
+    # One query: an fp32 product-sum, exact like the reference's fp32 matmul (no tensor cores
+    # needed for a single row).
+    return tl.sum(k * q[None, :], axis=1)
+
+
+@triton.jit
+def _stage_input(
+    row_slot,
+    seq_len,
+    counts_ptr,
+    widths_ptr,
+    stride_ns,
+    sink_tokens,
+    scan_window,
+    STAGE: tl.constexpr,
+    CHUNK_SIZE: tl.constexpr,
+):
+    """(valid candidates, candidate-list width) of a row's stage input."""
+    if STAGE == 0:
+        # Every stage-0 chunk of the live context; active when it starts at or before
+        # pos - sw' (§1.3), pos = seq_len - 1.
+        width = tl.maximum(tl.cdiv(seq_len - sink_tokens, CHUNK_SIZE), 0)
+        lim = seq_len - 1 - scan_window - sink_tokens
+        n_cand = tl.where(lim >= 0, tl.minimum(lim // CHUNK_SIZE + 1, width), 0)
+    else:
+        n_cand = tl.load(counts_ptr + row_slot * stride_ns + STAGE)
+        width = tl.load(widths_ptr + row_slot * stride_ns + STAGE)
+    return n_cand, width
+
+
+@triton.jit
+def _decode_select_kernel(
+    q_ptr,
+    q_right_ptr,
+    kv_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    slot_ptr,
+    level_ptr,
+    cand_ptr,
+    counts_ptr,
+    widths_ptr,
+    scores_ptr,
+    rope_hi_ptr,
+    rope_lo_ptr,
+    rope_bias,
+    rope_n_hi,
+    head_dim,
+    sink_tokens,
+    scan_window,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kpage,
+    stride_ktok,
+    stride_khead,
+    stride_kd,
+    stride_btb,
+    stride_btp,
+    stride_cs,
+    stride_cc,
+    stride_ns,
+    stride_sb,
+    STAGE: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    CHUNK_SIZE: tl.constexpr,
+    N_ITERS: tl.constexpr,
+    MIDPOINT: tl.constexpr,
+    ROPE_STYLE: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    LO_BITS: tl.constexpr,
+    BLOCK_CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    row_slot = tl.load(slot_ptr + b)
+    level = tl.load(level_ptr + b)
+    if (row_slot < 0) | (level < 0) | (level > STAGE):
+        return
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    n_cand, width = _stage_input(
+        row_slot, seq_len, counts_ptr, widths_ptr, stride_ns, sink_tokens, scan_window,
+        STAGE, CHUNK_SIZE,
+    )  # fmt: skip
+    if tile * BLOCK_CHUNK >= n_cand:
+        return
+    offs_c = tile * BLOCK_CHUNK + tl.arange(0, BLOCK_CHUNK)
+    c_in = offs_c < n_cand
+    if STAGE == 0:
+        start = sink_tokens + offs_c * CHUNK_SIZE
+    else:
+        cand_row = cand_ptr + row_slot.to(tl.int64) * stride_cs
+        start = tl.load(cand_row + offs_c * stride_cc, mask=c_in, other=0)
+    # key_limit of a decode query is its whole context
+    right0 = tl.minimum(start + CHUNK_SIZE, seq_len)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_in = offs_d < head_dim
+    ROPE: tl.constexpr = ROPE_STYLE != 0
+    if ROPE:
+        partner, freq, sign, rot = rope_pair_layout(offs_d, ROT_DIM, IS_NEOX)
+        if ROPE_STYLE == 2:
+            # chunk-indexed: chunk j's keys at ordinal j, the query at min(p, C + sw'); keys
+            # cached at t turn by (j - q_pos) - t
+            q_pos = tl.minimum(seq_len - 1, width + scan_window)
+            base = offs_c - q_pos
+        else:  # relative: every probe key to position 0 (the queries carry the distances)
+            base = offs_c * 0
+    else:  # placeholders; every use is compiled out
+        partner = offs_d
+        freq = offs_d
+        sign = offs_d.to(tl.float32)
+        rot = d_in
+        base = offs_c
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    k_head_ptr = kv_ptr + kv_head.to(tl.int64) * stride_khead  # K plane: index 0
+
+    best_all = tl.full([BLOCK_CHUNK], float("-inf"), tl.float32)
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        q_row = b.to(tl.int64) * stride_qb + head * stride_qh
+        q = tl.load(q_ptr + q_row + offs_d * stride_qd, mask=d_in, other=0.0).to(tl.float32)
+        if ROPE_STYLE == 1:
+            q_r = tl.load(q_right_ptr + q_row + offs_d * stride_qd, mask=d_in, other=0.0)
+            q_r = q_r.to(tl.float32)
+        else:
+            q_r = q
+        left = start
+        right = right0
+        best = tl.full([BLOCK_CHUNK], float("-inf"), tl.float32)
+        for _ in range(N_ITERS):
+            live = c_in & (right - left > 1)
+            mid = (left + right) // 2
+            if MIDPOINT:
+                p_left = (left + mid) // 2
+                p_right = (mid + right) // 2
+            else:  # the paper's Algorithm 3: the first key of each half
+                p_left = left
+                p_right = mid
+            s_left = _probe(
+                k_head_ptr, bt_row, stride_btp, p_left, live, q, offs_d, d_in,
+                stride_kpage, stride_ktok, stride_kd, base - p_left, partner, freq, sign, rot,
+                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, ROPE, ROT_DIM // 2,
+                LO_BITS,
+            )  # fmt: skip
+            s_right = _probe(
+                k_head_ptr, bt_row, stride_btp, p_right, live, q_r, offs_d, d_in,
+                stride_kpage, stride_ktok, stride_kd, base - p_right, partner, freq, sign, rot,
+                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, ROPE, ROT_DIM // 2,
+                LO_BITS,
+            )  # fmt: skip
+            # Strictly greater goes left, so a tie descends right, as in the reference.
+            go_left = s_left > s_right
+            best = tl.where(live, tl.maximum(best, tl.where(go_left, s_left, s_right)), best)
+            right = tl.where(live & go_left, mid, right)
+            left = tl.where(live & ~go_left, mid, left)
+        # A chunk one key wide never probed: that key is its score (left-branch query).
+        single = c_in & (best == float("-inf"))
+        if tl.max(single.to(tl.int32), axis=0) > 0:
+            s_single = _probe(
+                k_head_ptr, bt_row, stride_btp, left, single, q, offs_d, d_in,
+                stride_kpage, stride_ktok, stride_kd, base - left, partner, freq, sign, rot,
+                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, ROPE, ROT_DIM // 2,
+                LO_BITS,
+            )  # fmt: skip
+            best = tl.where(single, s_single, best)
+        best_all = tl.maximum(best_all, best)
+    # The max over heads is exact in any order, so the atomic keeps the result deterministic.
+    tl.atomic_max(scores_ptr + b.to(tl.int64) * stride_sb + offs_c, best_all, mask=c_in)
+
+
+@triton.jit
+def _top_chunks_kernel(
+    scores_ptr,
+    seq_lens_ptr,
+    slot_ptr,
+    level_ptr,
+    cand_ptr,
+    counts_ptr,
+    widths_ptr,
+    out_ptr,
+    stride_sb,
+    stride_cs,
+    stride_cc,
+    stride_ns,
+    stride_os,
+    stride_oc,
+    sink_tokens,
+    scan_window,
+    keep,
+    n_scores,
+    STAGE: tl.constexpr,
+    OUT_INDEX: tl.constexpr,
+    WRITE_WIDTH: tl.constexpr,
+    CHUNK_SIZE: tl.constexpr,
+    SUB: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    b = tl.program_id(0)
+    row_slot = tl.load(slot_ptr + b)
+    level = tl.load(level_ptr + b)
+    if (row_slot < 0) | (level < 0) | (level > STAGE):
+        return
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    offs = tl.arange(0, BLOCK_C)
+    in_c = offs < n_scores
+    score_row = scores_ptr + b.to(tl.int64) * stride_sb
+    s = tl.load(score_row + offs, mask=in_c, other=float("-inf"))
+    tl.store(score_row + offs, tl.full([BLOCK_C], float("-inf"), tl.float32), mask=in_c)
+    n_cand, width = _stage_input(
+        row_slot, seq_len, counts_ptr, widths_ptr, stride_ns, sink_tokens, scan_window,
+        STAGE, CHUNK_SIZE,
+    )  # fmt: skip
+    if STAGE == 0:
+        start = sink_tokens + offs * CHUNK_SIZE
+    else:
+        cand_row = cand_ptr + row_slot.to(tl.int64) * stride_cs
+        start = tl.load(cand_row + offs * stride_cc, mask=offs < n_cand, other=0)
+
+    # Top `keep` by score, ties to the earlier chunk: find the n_sel-th largest score by
+    # bisection over order-preserving integer keys, then take everything above it and the first
+    # ties. Candidates are ascending in position, so the survivors come out sorted (§1.5).
+    valid = (s > float("-inf")) & in_c
+    n_sel = tl.minimum(keep, tl.sum(valid.to(tl.int32), axis=0))
+    bits = s.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    lo = tl.min(key, axis=0)
+    hi = tl.max(key, axis=0)
+    for _ in range(33):
+        mid = (lo + hi + 1) >> 1
+        enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= n_sel
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = valid & (key > lo)
+    tie = valid & (key == lo)
+    tie_rank = tl.cumsum(tie.to(tl.int32), axis=0)
+    sel = above | (tie & (tie_rank <= n_sel - tl.sum(above.to(tl.int32), axis=0)))
+    rank = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+
+    out_row = out_ptr + row_slot.to(tl.int64) * stride_os
+    n_out = tl.zeros([BLOCK_C], tl.int32)
+    for j in tl.static_range(SPLIT):
+        sub_start = start + j * SUB
+        tl.store(out_row + (rank * SPLIT + j) * stride_oc, sub_start, mask=sel)
+        # sub-chunks at or past the context end are invalid; they can only trail (ascending)
+        n_out += (sel & (sub_start < seq_len)).to(tl.int32)
+    tl.store(counts_ptr + row_slot * stride_ns + OUT_INDEX, tl.sum(n_out, axis=0))
+    if WRITE_WIDTH:
+        tl.store(widths_ptr + row_slot * stride_ns + OUT_INDEX,
+                 tl.minimum(keep, width) * SPLIT)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- host side
+def top_chunks(
+    scores: torch.Tensor,
+    rows: DecodeRows,
+    masks: DecodeMasks,
+    params: ref.PruneParams,
+    stage: int,
+) -> None:
+    """Stage ``stage``'s survivors into the next stage's input (or the final blocks) of every
+    row taking part; resets ``scores`` of those rows to -inf."""
+    st = params.stages[stage]
+    n = len(params.stages)
+    last = stage == n - 1
+    sub = st.chunk_size if last else params.stages[stage + 1].chunk_size
+    out = masks.final if last else masks.inputs[stage + 1]
+    cand = masks.inputs[stage] if stage > 0 else masks.counts  # placeholder at stage 0
+    batch = rows.slots.shape[0]
+    if batch == 0:
+        return
+    block_c = triton.next_power_of_2(scores.shape[1])
+    _top_chunks_kernel[(batch,)](
+        scores, rows.seq_lens, rows.slots, rows.levels, cand, masks.counts, masks.widths, out,
+        scores.stride(0), cand.stride(0), cand.stride(1), masks.counts.stride(0),
+        out.stride(0), out.stride(1),
+        params.sink_tokens, params.scan_window, st.keep_tokens // st.chunk_size, scores.shape[1],
+        STAGE=stage, OUT_INDEX=n if last else stage + 1, WRITE_WIDTH=not last,
+        CHUNK_SIZE=st.chunk_size, SUB=sub, SPLIT=st.chunk_size // sub, BLOCK_C=block_c,
+        num_warps=4 if block_c <= 1024 else 8 if block_c <= 4096 else 16,
+    )  # fmt: skip
+
+
+def decode_queries(
+    q: torch.Tensor, seq_lens: torch.Tensor, params: ref.PruneParams, scale: float,
+    placement: QueryPlacement | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The scaled fp32 decode queries the pruning stages score with, and the right-branch ones
+    of the relative RoPE style (§2); no host sync."""
+    qs = q.float() * scale
+    if placement is None:
+        return qs, None
+    from .rope import apply_rotation, rotate
+
+    # un-rotate from the true position, then place where the style says (as run_stages does)
+    qs = rotate(qs, -(seq_lens.long() - 1), placement.table)
+    if placement.style == ROPE_CHUNK_INDEXED:
+        return qs, None
+    left = apply_rotation(qs, placement.left_cos, placement.left_sin, placement.table)
+    right = apply_rotation(qs, placement.right_cos, placement.right_sin, placement.table)
+    return left, right
+
+
+@dataclass(frozen=True)
+class QueryPlacement:
+    """A layer's RoPE style in the pruning stages, with the fixed query turns of the relative
+    style precomputed on the device (nothing is built during a CUDA-graph capture)."""
+
+    style: int
+    table: object
+    left_cos: torch.Tensor | None = None
+    left_sin: torch.Tensor | None = None
+    right_cos: torch.Tensor | None = None
+    right_sin: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls, style: str, table: object, scan_window: int, device: torch.device
+    ) -> QueryPlacement:
+        """The placement of pruning style ``style`` ("relative" or "chunk-indexed") on
+        ``device``; the RoPE tables the kernels read must be built too
+        (:func:`triton_rope.delta_tables`), also before any capture."""
+        from .rope import relative_positions, rope_cos_sin
+        from .triton_rope import rope_table_on
+
+        table = rope_table_on(table, device)
+        code = _ROPE_CODES[style]
+        if code != ROPE_RELATIVE:
+            return cls(code, table)
+        pos = relative_positions(scan_window)
+        lc, ls = rope_cos_sin(int(pos.query_pos - pos.left_probe_pos), table)
+        rc, rs = rope_cos_sin(int(pos.query_pos - pos.right_probe_pos), table)
+        return cls(code, table, lc.to(device), ls.to(device), rc.to(device), rs.to(device))
+
+
+def refresh_masks(
+    params: ref.PruneParams,
+    masks: DecodeMasks,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    rows: DecodeRows,
+    scale: float,
+    scores: list[torch.Tensor],
+    placement: QueryPlacement | None = None,
+) -> None:
+    """Rerun every stage at or after each row's refresh level, from its stored input (§1.6).
+
+    ``q`` is ``[B, H_q, D]`` (the decode queries, unscaled, rotated at their true positions);
+    ``scores[i]`` is stage ``i``'s scratch, ``[>= B, >= W_i]`` float32 at -inf (left so).
+    Launches ``2 * n_stages`` kernels whatever the levels; no host sync, graph-capturable once
+    the RoPE tables are built (:meth:`QueryPlacement.for_params`).
+    """
+    batch, hq, d = q.shape
+    if batch == 0:
+        return
+    hkv = kv_cache.shape[3]
+    page_size = kv_cache.shape[2]
+    q_left, q_right = decode_queries(q, rows.seq_lens, params, scale, placement)
+    if placement is not None:
+        check_layout(placement.table, d)
+        capacity = rows.block_table.shape[1] * page_size
+        tables = delta_tables(placement.table, 2 * capacity + scores[0].shape[1] + 1, q.device)
+        rope_args = (tables.hi, tables.lo, tables.bias, tables.n_hi)
+        rope_meta = dict(ROPE_STYLE=placement.style, ROT_DIM=placement.table.rotary_dim,
+                         IS_NEOX=placement.table.is_neox)  # fmt: skip
+    else:
+        rope_args = (q_left, q_left, 0, 1)
+        rope_meta = dict(ROPE_STYLE=ROPE_NONE, ROT_DIM=0, IS_NEOX=True)
+    block_d = max(16, triton.next_power_of_2(d))
+    block_chunk = 32 if d > 128 or placement is not None else 64
+    for i, st in enumerate(params.stages):
+        width = scores[i].shape[1]
+        cand = masks.inputs[i] if i > 0 else masks.counts
+        _decode_select_kernel[(batch, triton.cdiv(width, block_chunk), hkv)](
+            q_left, q_left if q_right is None else q_right, kv_cache, rows.block_table,
+            rows.seq_lens, rows.slots, rows.levels, cand, masks.counts, masks.widths, scores[i],
+            *rope_args, d, params.sink_tokens, params.scan_window,
+            *q_left.stride(), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
+            kv_cache.stride(4), *rows.block_table.stride(), cand.stride(0), cand.stride(1),
+            masks.counts.stride(0), scores[i].stride(0),
+            STAGE=i, GROUP=hq // hkv, PAGE_SIZE=page_size, CHUNK_SIZE=st.chunk_size,
+            N_ITERS=ref.bisect_steps(st.chunk_size), MIDPOINT=params.probe == "midpoint",
+            LO_BITS=LO_BITS, BLOCK_CHUNK=block_chunk, BLOCK_D=block_d,
+            num_warps=4, **rope_meta,
+        )  # fmt: skip
+        top_chunks(scores[i], rows, masks, params, i)

@@ -1,0 +1,198 @@
+"""The batched decode cascade and the fused top-k / sort / split against the PyTorch reference.
+
+Without a GPU the kernels run in Triton's CPU interpreter (set up as in test_triton_prune.py);
+with one, the same cases run compiled on it. The oracle is :mod:`kernels.decode`'s reference,
+i.e. :func:`reference.run_stages` row by row, whose top-k is ``torch.topk`` plus a stable sort:
+no code is shared with the kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["_TRITON_INTERPRET_BEFORE"] = os.environ.get("TRITON_INTERPRET", "<unset>")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from vllm_infinitehip.kernels import decode as dec
+from vllm_infinitehip.kernels import reference as ref
+from vllm_infinitehip.kernels import triton_bsa
+from vllm_infinitehip.kernels import triton_decode as td
+from vllm_infinitehip.kernels.rope import RopeTable
+
+HAS_CUDA = torch.cuda.is_available()
+_SAVED_INTERPRET = os.environ.pop("_TRITON_INTERPRET_BEFORE", None)
+
+
+def _restore_interpret() -> None:
+    if _SAVED_INTERPRET is None:
+        return
+    if _SAVED_INTERPRET == "<unset>":
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
+
+
+_restore_interpret()
+
+INTERPRETED = isinstance(td._top_chunks_kernel, InterpretedFunction) and isinstance(
+    tl.max, InterpretedFunction
+)
+DEVICE = "cpu" if INTERPRETED else "cuda"
+
+pytestmark = [
+    pytest.mark.skipif(
+        not INTERPRETED and not HAS_CUDA,
+        reason="no GPU, and triton was imported before this module could set "
+        "TRITON_INTERPRET=1, so the CPU interpreter cannot run: run this file alone",
+    ),
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_env():
+    if not INTERPRETED:
+        yield
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        _restore_interpret()
+
+
+def small_params(rope: ref.RopePlan | None = None, final_keep: int = 64) -> ref.PruneParams:
+    stages = (
+        ref.StageParams(64, 512, 32, 4),
+        ref.StageParams(16, 256, 32, 4),
+        ref.StageParams(8, final_keep, 32, 1),
+    )
+    return ref.PruneParams(sink_tokens=16, window_tokens=128, stages=stages, rope=rope)
+
+
+def batch(seq_lens: list[int], hq: int, hkv: int, d: int, page: int, gen: torch.Generator):
+    """A paged fp32 cache holding every row's keys in shuffled pages, queries and block table."""
+    pages = [-(-t // page) for t in seq_lens]
+    num_pages = sum(pages) + 3
+    cache = torch.randn(num_pages, 2, page, hkv, d, generator=gen)
+    perm = torch.randperm(num_pages, generator=gen).to(torch.int32)
+    width = max(pages) + 2
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = perm[at : at + n]
+        at += n
+    q = torch.randn(len(seq_lens), hq, d, generator=gen)
+    return cache, table, q
+
+
+def rows_on(device, table, seq_lens, slots, levels) -> dec.DecodeRows:
+    i32 = dict(dtype=torch.int32, device=device)
+    return dec.DecodeRows(table.to(device), torch.tensor(seq_lens, **i32),
+                          torch.tensor(slots, **i32), torch.tensor(levels, **i32))  # fmt: skip
+
+
+def assert_masks_equal(got: dec.DecodeMasks, want: dec.DecodeMasks, slots: list[int]) -> None:
+    n = got.counts.shape[1] - 1
+    for s in slots:
+        gc, wc = got.counts[s].cpu(), want.counts[s].cpu()
+        assert torch.equal(gc[1:], wc[1:]), f"slot {s}: counts {gc.tolist()} != {wc.tolist()}"
+        for i in range(1, n):
+            c = int(wc[i])
+            assert torch.equal(got.inputs[i][s, :c].cpu(), want.inputs[i][s, :c].cpu())
+            assert int(got.widths[s, i]) == int(want.widths[s, i])
+        c = int(wc[n])
+        assert torch.equal(got.final[s, :c].cpu(), want.final[s, :c].cpu())
+
+
+ROPE_STYLES = [None, "relative", "chunk-indexed"]
+
+
+@pytest.mark.parametrize("rope_style", ROPE_STYLES)
+def test_batched_cascade_equals_reference_at_mixed_levels(rope_style):
+    gen = torch.Generator().manual_seed(7 + len(str(rope_style)))
+    hq, hkv, d, page = 4, 2, 32, 16
+    rope = None
+    if rope_style is not None:
+        rope = ref.RopePlan(RopeTable.default(d, 10000.0), pruning=rope_style, bsa="streaming")
+    params = small_params(rope)
+    seq_lens = [1500, 2900, 700, 5000, 40]  # the last row is dense (no slot)
+    cache, table, q = batch(seq_lens, hq, hkv, d, page, gen)
+    scale = d**-0.5
+    slots = [3, 0, 2, 1, -1]
+    max_len = 6000
+    want = dec.DecodeMasks.allocate(params, 64, 4, torch.device("cpu"))
+    got = dec.DecodeMasks.allocate(params, 64, 4, torch.device(DEVICE))
+    scores = dec.allocate_scores(dec.stage_widths(params, max_len), 8, torch.device(DEVICE))
+    placement = None
+    if rope is not None:
+        placement = td.QueryPlacement.build(rope_style, rope.table, params.scan_window,
+                                            torch.device(DEVICE))  # fmt: skip
+
+    # step 0: every row refreshes fully; then the same rows at levels 1, 2 and reuse, each
+    # resuming from what the first step stored (the queries move on to other vectors)
+    for levels in ([0, 0, 0, 0, -1], [1, 2, 3, 0, -1], [2, 1, 1, 3, -1]):
+        rows_cpu = rows_on("cpu", table, seq_lens, slots, levels)
+        dec.refresh_masks_reference(params, want, q, cache, rows_cpu, scale)
+        td.refresh_masks(params, got, q.to(DEVICE), cache.to(DEVICE),
+                         rows_on(DEVICE, table, seq_lens, slots, levels), scale, scores,
+                         placement)  # fmt: skip
+        assert_masks_equal(got, want, [s for s in slots if s >= 0])
+        for s in scores:  # the top-k kernel left its scratch as it found it
+            assert torch.isneginf(s).all()
+        q = torch.randn(q.shape, generator=gen)
+    # the long rows were really pruned: fewer final blocks than their context holds
+    assert int(want.counts[1, -1]) == 64 // 8 and int(want.counts[2, -1]) == 64 // 8
+
+
+def test_top_chunks_breaks_ties_to_the_earlier_chunk_and_keeps_position_order():
+    """Equal scores: the earlier chunk wins (torch.topk leaves ties unspecified, so this is
+    checked by hand); survivors come out ascending and split."""
+    params = small_params()
+    masks = dec.DecodeMasks.allocate(params, 64, 1, torch.device(DEVICE))
+    seq_len = 16 + 64 * 20
+    scores = torch.full((1, 20), float("-inf"), device=DEVICE)
+    vals = torch.tensor([1.0, 5.0, 5.0, 2.0, 5.0, 5.0, 5.0, 0.5, 5.0, 3.0, 5.0, 5.0])
+    scores[0, : vals.numel()] = vals.to(DEVICE)
+    rows = rows_on(DEVICE, torch.zeros(1, 90, dtype=torch.int32), [seq_len], [0], [0])
+    td.top_chunks(scores, rows, masks, params, 0)  # keep 512 // 64 = 8 chunks
+    kept = [1, 2, 4, 5, 6, 8, 10, 11]  # the eight 5.0s but the last one (9 of them)
+    want = torch.tensor([16 + 64 * c + 16 * j for c in kept for j in range(4)], dtype=torch.int32)
+    assert int(masks.counts[0, 1]) == 32 and int(masks.widths[0, 1]) == 32
+    assert torch.equal(masks.inputs[1][0, :32].cpu(), want)
+    assert torch.isneginf(scores).all()
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_decode_attention_through_slots_equals_reference(streaming):
+    gen = torch.Generator().manual_seed(11 + streaming)
+    hq, hkv, d, page = 4, 2, 32, 16
+    rope = ref.RopePlan(RopeTable.default(d), pruning="relative", bsa="streaming")
+    params = small_params(rope if streaming else None)
+    seq_lens = [1500, 90, 2900, 0]  # a dense row and a padding row
+    cache, table, q = batch([max(t, 1) for t in seq_lens], hq, hkv, d, page, gen)
+    slots, levels = [1, -1, 0, -1], [0, -1, 0, -1]
+    masks = dec.DecodeMasks.allocate(params, 64, 2, torch.device("cpu"))
+    rows_cpu = rows_on("cpu", table, seq_lens, slots, levels)
+    dec.refresh_masks_reference(params, masks, q, cache, rows_cpu, d**-0.5)
+    want, _ = dec.attend_reference(params, masks, q, cache, rows_cpu, d**-0.5)
+    dev = torch.device(DEVICE)
+    rows = rows_on(DEVICE, table, seq_lens, slots, levels)
+    stats = torch.zeros(2, dtype=torch.int64, device=dev)
+    got = triton_bsa.sparse_decode_attention(
+        q.to(dev), cache.to(dev), rows.block_table, rows.seq_lens, masks.final.to(dev),
+        masks.final_counts().to(dev), block_size_k=params.block_size_k,
+        sink_tokens=params.sink_tokens, window_tokens=params.window_tokens, scale=d**-0.5,
+        rope=rope.table if streaming else None, row_slots=rows.slots, stats=stats,
+    )  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-4, atol=2e-5)
+    assert torch.equal(got[3].cpu(), torch.zeros(hq, d))
+    # budget count of the two sparse rows: sink + window + final blocks each; context pairs
+    budget = 2 * (16 + 128 + 64)
+    assert stats.tolist() == [budget, 1500 + 2900]
