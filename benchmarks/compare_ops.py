@@ -72,7 +72,7 @@ def install(kind: str) -> CompareOps | None:
     from vllm_infinitehip import backend
 
     ops = CompareOps() if kind == "compare" else ReferenceOps()
-    backend.ops_for = lambda device: ops
+    backend.ops_for = lambda device, precision=None: ops
     forward = backend.InfiniteHiPImpl.forward
     if kind == "compare" and not getattr(forward, "_sets_layer", False):
         from vllm.model_executor.models.utils import extract_layer_index

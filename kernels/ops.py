@@ -97,7 +97,11 @@ class ReferenceOps:
 class TritonOps:
     """Triton kernels over the paged cache: the GPU path. Dense prefill of short sequences stays
     on the reference (a gather and SDPA). RoPE remapping (§2) runs in the kernels: relative and
-    chunk-indexed pruning and streaming BSA, for any pairing layout and partial rotary."""
+    chunk-indexed pruning and streaming BSA, for any pairing layout and partial rotary.
+    ``precision`` is the prefill pruning's (``triton_prune.select_rep_scores_paged``)."""
+
+    def __init__(self, precision: str = "fp32") -> None:
+        self.precision = precision
 
     def dense(self, req, q, positions, scale):
         k, v = req.contiguous()
@@ -107,7 +111,7 @@ class TritonOps:
         from vllm_infinitehip.kernels.triton_prune import run_stages_paged
 
         return run_stages_paged(params, q, req.kv_cache, req.block_table_row, positions, scale,
-                                seq_len=req.seq_len)  # fmt: skip
+                                seq_len=req.seq_len, precision=self.precision)  # fmt: skip
 
     def attend(self, params, req, q, positions, scale, prune, slice_end):
         """As the reference; the pair count is the budget (sink, window, selected blocks), an
@@ -155,5 +159,5 @@ class TritonOps:
         )  # fmt: skip
 
 
-def ops_for(device: torch.device) -> AttentionOps:
-    return TritonOps() if device.type == "cuda" else ReferenceOps()
+def ops_for(device: torch.device, precision: str = "fp32") -> AttentionOps:
+    return TritonOps(precision) if device.type == "cuda" else ReferenceOps()

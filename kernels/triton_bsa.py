@@ -28,8 +28,6 @@ KV cache layout: ``[num_pages, 2, page_size, H_kv, D]`` (0 = K, 1 = V), any stri
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -686,20 +684,15 @@ def _streaming_args(
     return (tables.hi, tables.lo, tables.bias, tables.n_hi), meta
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _default_num_splits(max_keys: int, block_n: int) -> int:
+    """About ``2 * block_n`` keys per split, at most 32 splits. It does not depend on the batch,
+    so a row's result is the same in any batch (and in a graph-padded one)."""
+    return max(1, min(triton.cdiv(max_keys, 2 * block_n), 32))
 
 
-def _default_num_splits(max_keys: int, programs: int, device: torch.device, block_n: int) -> int:
-    """Enough splits to fill the GPU about twice, but at least ``4 * block_n`` keys per split."""
-    if device.type == "cuda":
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    else:
-        sms = 1
-    by_work = triton.cdiv(max_keys, 4 * block_n)
-    by_fill = triton.cdiv(2 * sms, max(programs, 1))
-    return max(1, min(by_work, by_fill, 32))
+def _decode_block_n(block_d: int, rope: bool) -> int:
+    # A rotation keeps about three more [BLOCK_N, D] tiles live; halved, untuned on a GPU.
+    return 32 if block_d > 128 or rope else 64
 
 
 def _decode_workspace(
@@ -721,14 +714,12 @@ def _decode_workspace(
 
 
 def decode_workspace_floats(
-    max_batch: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+    max_batch: int, num_heads: int, head_dim: int, max_keys: int, rope: bool
 ) -> int:
-    """Floats a :func:`sparse_decode_attention` workspace needs for any batch up to
-    ``max_batch`` with the default split count (``batch * splits`` is at most
-    ``batch + 2 * SMs / H_kv``)."""
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else 1
-    rows = max_batch + triton.cdiv(2 * sms, num_kv_heads) + 1
-    return rows * num_heads * (head_dim + 1) * 2
+    """Floats a :func:`sparse_decode_attention` workspace needs for batches up to
+    ``max_batch`` with the default split count and at most ``max_keys`` keys per row."""
+    block_n = _decode_block_n(triton.next_power_of_2(head_dim), rope)
+    return max_batch * num_heads * _default_num_splits(max_keys, block_n) * (head_dim + 1)
 
 
 def sparse_decode_attention(
@@ -786,11 +777,10 @@ def sparse_decode_attention(
     hkv = hq // group
     k_max = block_starts.shape[1]
     block_d = triton.next_power_of_2(d)
-    # A rotation keeps about three more [BLOCK_N, D] tiles live; halved, untuned on a GPU.
-    block_n = 32 if block_d > 128 or rope is not None else 64
+    block_n = _decode_block_n(block_d, rope is not None)
     if num_splits is None:
         max_keys = sink_tokens + window_tokens + k_max * block_size_k
-        num_splits = _default_num_splits(max_keys, batch * hkv, q.device, block_n)
+        num_splits = _default_num_splits(max_keys, block_n)
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:

@@ -39,7 +39,7 @@ from .triton_rope import (
 )
 
 PROBES = ("midpoint", "first")
-PRECISIONS = ("fp32", "ieee", "fast")
+PRECISIONS = ("fp32", "tf32", "ieee", "fast")
 
 
 @triton.jit
@@ -300,12 +300,13 @@ def _launch_config(head_dim: int, rope: bool = False) -> tuple[int, int, int]:
     (``"ieee"`` ran 6-8x slower with 4 warps than with 8). A rotation holds about three more
     tiles of that size live (pair partners, cos, sin): with 32 chunks at D=128 and the default
     software pipelining it asked for 240 KiB of shared memory on the H200 (limit 227 KiB), so it
-    takes a quarter of the chunks above D=64 and no pipelining. Not tuned for speed.
+    takes half the chunks and no pipelining (16 chunks made extension-on prefill about 10x
+    slower end to end than extension-off).
     """
     block_chunk = 32 if head_dim > 128 else 64
     if not rope:
         return block_chunk, 8, 3
-    return (block_chunk // 4 if head_dim > 64 else block_chunk // 2), 8, 1
+    return block_chunk // 2, 8, 1
 
 
 def select_rep_scores_paged(
@@ -353,6 +354,8 @@ def select_rep_scores_paged(
 
     - ``"fp32"`` (default): tf32x3 on tensor cores, fp32-accurate (H200, bf16 keys: every score
       within 1e-4 of the reference and identical top-k at 64K-1M keys);
+    - ``"tf32"``: keys upcast exactly, one tf32 tensor-core pass (10-bit mantissas: scores move
+      by about 1e-3 relative, so near-ties may descend differently);
     - ``"ieee"``: plain fp32 products, 2.5-4x slower than ``"fp32"``;
     - ``"fast"``: one tensor-core pass in the keys' dtype (bf16/fp16: queries rounded to it;
       fp32 keys: tf32). 1.5-4x faster than ``"fp32"``, but most scores move by more than
@@ -460,7 +463,7 @@ def select_rep_scores_paged(
         N_ITERS=ref.bisect_steps(chunk_size),
         MIDPOINT=probe == "midpoint",
         FAST_DOT=precision == "fast",
-        PRECISION="ieee" if precision == "ieee" else "tf32x3",
+        PRECISION={"ieee": "ieee", "tf32": "tf32"}.get(precision, "tf32x3"),
         TWO_SIDED=q_pooled_right is not None,
         LO_BITS=LO_BITS,
         BLOCK_CHUNK=block_chunk,

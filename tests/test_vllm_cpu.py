@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
-from tests.conftest import ENGINE_KW
-from tests.helpers.generate import generate_in_subprocess
+from tests.conftest import ENGINE_KW, SMALL_HIP
+from tests.helpers.generate import generate_in_subprocess, staggered_generate
 from vllm_infinitehip.metrics import collect_stats
 
 pytestmark = pytest.mark.vllm
@@ -93,11 +95,74 @@ def test_recall_is_logged_per_layer_for_the_final_prompt_query_and_each_decode_s
     assert hip_llm.collective_rpc(collect_recall, kwargs={"enable": False})[0] == []
 
 
-def test_sparse_path_is_deterministic_across_batchings(hip_llm):
-    prompts = [long_prompt(1500, "alpha"), long_prompt(2200, "beta")]
+def test_a_batch_of_four_long_prompts_equals_each_prompt_alone(hip_llm):
+    """Four sparse decode rows share one batched cascade and one attention call per layer;
+    each must produce what it produces alone."""
+    prompts = [long_prompt(1500, "alpha"), long_prompt(2200, "beta"),
+               long_prompt(1800, "gamma"), long_prompt(2600, "delta")]  # fmt: skip
+    stats(hip_llm)
     together = greedy(hip_llm, prompts, 12)
+    assert stats(hip_llm)["sparse_decode_queries"] == 2 * 4 * 11
     alone = [greedy(hip_llm, [p], 12)[0] for p in prompts]
     assert together == alone
+
+
+def test_requests_at_mixed_refresh_levels_equal_each_alone(hip_llm):
+    """Requests added steps apart decode side by side at different refresh levels; rows join
+    the stages of their own level only."""
+    prompts = [long_prompt(1500, "eta"), long_prompt(1700, "theta"), long_prompt(1300, "iota")]
+    stats(hip_llm)
+    together = staggered_generate(hip_llm, prompts, [0, 3, 5], 16)
+    levels = stats(hip_llm)["refreshes"]
+    assert all(levels.get(k) for k in ("0", "1", "2", "reuse"))
+    assert together == [greedy(hip_llm, [p], 16)[0] for p in prompts]
+
+
+def live_slots(llm) -> int:
+    return stats(llm, reset=False)["live_slots"]
+
+
+def test_state_slots_are_freed_after_finish_and_abort(hip_llm):
+    from vllm import SamplingParams
+
+    greedy(hip_llm, [long_prompt(1500, "kappa"), long_prompt(1600, "lambda")], 6)
+    greedy(hip_llm, [SHORT_PROMPTS[0]], 2)  # any later step frees the finished ones' slots
+    assert live_slots(hip_llm) == 0
+
+    engine = hip_llm.llm_engine
+    engine.add_request("abort-me", long_prompt(1500, "mu"),
+                       SamplingParams(temperature=0, max_tokens=200))  # fmt: skip
+    for _ in range(8):  # prefill (three chunks of at most 2048 tokens), then decode steps
+        engine.step()
+    assert live_slots(hip_llm) == 1
+    engine.abort_request(["abort-me"])
+    greedy(hip_llm, [SHORT_PROMPTS[1]], 2)
+    assert live_slots(hip_llm) == 0
+    assert not engine.has_unfinished_requests()
+
+
+def test_state_slots_are_freed_after_preemption(tiny_model):
+    """A KV cache too small for three decoding requests makes vLLM preempt one (and recompute
+    it later); all finish, and no slot is left behind."""
+    from vllm import LLM
+
+    kw = {**ENGINE_KW, "max_model_len": 4096, "kv_cache_memory_bytes": 6 << 20,
+          "disable_log_stats": False}  # fmt: skip
+    llm = LLM(tiny_model, attention_backend="infinitehip",
+              additional_config={"infinitehip": SMALL_HIP}, **kw)  # fmt: skip
+    try:
+        # ~1800 tokens each: 3 prompts fit 6144 cached tokens, their 300 new tokens each do not
+        prompts = [long_prompt(620, tag) for tag in ("nu", "xi", "omicron")]
+        toks = greedy(llm, prompts, 300)
+        assert [len(t) for t in toks] == [300, 300, 300]
+        preemptions = sum(m.value for m in llm.get_metrics()
+                          if m.name == "vllm:num_preemptions")  # fmt: skip
+        assert preemptions > 0
+        greedy(llm, [SHORT_PROMPTS[0]], 2)
+        assert live_slots(llm) == 0
+    finally:
+        del llm
+        gc.collect()
 
 
 def test_one_batch_mixes_short_and_long_prompts(hip_llm, default_backend_tokens):

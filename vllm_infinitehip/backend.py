@@ -161,10 +161,12 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             from vllm_infinitehip.kernels.triton_bsa import decode_workspace_floats
 
             model = vllm_config.model_config
-            par = vllm_config.parallel_config
-            n = decode_workspace_floats(max_rows, model.get_num_attention_heads(par),
-                                        model.get_num_kv_heads(par), model.get_head_size(),
-                                        device)  # fmt: skip
+            max_keys = (self.config.sink_tokens + self.config.window_tokens
+                        + final_keep)  # a row's keys: sink, window, final blocks
+            n = decode_workspace_floats(
+                max_rows, model.get_num_attention_heads(vllm_config.parallel_config),
+                model.get_head_size(), max_keys, rope=True,
+            )  # fmt: skip
             workspace = torch.empty(n, dtype=torch.float32, device=device)
         self.plan = StepPlan(
             DecodeSlots(max_rows, len(self.config.stages), device), masks,
@@ -452,7 +454,7 @@ class InfiniteHiPImpl(AttentionImpl):
             self._setup(layer, m.plan)
         out = output[: m.num_actual_tokens].view(-1, self.num_heads, self.head_size)
         q_all = query[: m.num_actual_tokens].view(-1, self.num_heads, self.head_size)
-        ops = ops_for(q_all.device)
+        ops = ops_for(q_all.device, self.config.scoring_precision)
         nd = m.num_decodes
         if nd:
             self._decode(ops, q_all[:nd], out[:nd], kv_cache, m)

@@ -59,6 +59,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 PROBE_RULES = ("midpoint", "first")
 ROPE_PRUNING_STYLES = ("paper", "relative", "chunk-indexed", "none")
 ROPE_BSA_STYLES = ("streaming", "none")
+SCORING_PRECISIONS = ("tf32", "fp32")
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ class InfiniteHiPConfig:
       as a decode query is (b_q = 1), instead of with its block (the max over 64 queries). Off by
       default, as in the authors' code: on SmolLM2 passkeys past the trained length neither was
       better consistently (the block's question tokens help find the needle, filler hurts).
+    - ``scoring_precision``: how the GPU prefill's pruning stages multiply q.k: ``"tf32"`` (one
+      tensor-core pass, default) or ``"fp32"`` (three passes, fp32-accurate). Decode scoring is
+      always exact fp32 (one query per row).
     - ``block_size_k``: granularity of selected blocks in block-sparse attention (= last chunk).
     """
 
@@ -111,6 +115,7 @@ class InfiniteHiPConfig:
     rope_pruning: str = "paper"
     rope_bsa: str = "streaming"
     trained_context: int | None = None
+    scoring_precision: str = "tf32"
 
     @property
     def final_keep_tokens(self) -> int:
@@ -169,7 +174,8 @@ class InfiniteHiPConfig:
             f"dense_layers={list(self.dense_layers)}->k={self.dense_layer_keep_tokens} "
             f"prefill_tail_window={self.prefill_tail_window} "
             f"prefill_final_query_own_mask={self.prefill_final_query_own_mask} "
-            f"rope_extension={self.rope_extension} trained_context={self.trained_context}"
+            f"rope_extension={self.rope_extension} trained_context={self.trained_context} "
+            f"scoring_precision={self.scoring_precision}"
         )
 
     # ---------------------------------------------------------------- parsing
@@ -237,6 +243,13 @@ class InfiniteHiPConfig:
                         f"`infinitehip.{name}`={values[name]!r} is not one of {', '.join(allowed)}"
                     )
                 kwargs[name] = values[name]
+        if "scoring_precision" in values:
+            if values["scoring_precision"] not in SCORING_PRECISIONS:
+                raise InfiniteHiPConfigError(
+                    f"`infinitehip.scoring_precision`={values['scoring_precision']!r} is not one "
+                    f"of {', '.join(SCORING_PRECISIONS)}"
+                )
+            kwargs["scoring_precision"] = values["scoring_precision"]
         if values.get("trained_context") is not None:
             kwargs["trained_context"] = _int(
                 values["trained_context"], "infinitehip.trained_context", minimum=1

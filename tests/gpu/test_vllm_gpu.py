@@ -31,11 +31,11 @@ STAGES = [{"chunk_size": 64, "keep_tokens": 1024, "block_size_q": 32, "query_str
 PROMPTS = ["def main():\n    " + "x = compute(x)\n    " * 300 + "return", "import os\n" * 600]
 
 
-def generate(tmp_path: Path, backend: str, engine: dict, max_tokens: int = 12):
-    spec = {"engine": engine, "prompts": PROMPTS, "max_tokens": max_tokens,
-            "report": backend == "infinitehip"}
+def generate(tmp_path: Path, backend: str, engine: dict, max_tokens: int = 12, **extra):
+    spec = {"engine": engine, "prompts": extra.pop("prompts", PROMPTS), "max_tokens": max_tokens,
+            "report": backend == "infinitehip", **extra}
     (tmp_path / "in.json").write_text(json.dumps(spec))
-    out = tmp_path / f"{backend}.json"
+    out = tmp_path / f"{backend}-{len(list(tmp_path.iterdir()))}.json"
     subprocess.run([sys.executable, str(HELPER), MODEL, backend, str(tmp_path / "in.json"),
                     str(out)], check=True, timeout=600)
     return json.loads(out.read_text())
@@ -59,3 +59,41 @@ def test_small_budget_runs_sparse_on_gpu(tmp_path):
     assert all(len(t) == 12 for t in ours["tokens"])
     assert stats["sparse_prefill_queries"] > 0 and stats["sparse_decode_queries"] > 0
     assert stats["dense_queries"] == 0
+
+
+SMALL = {"sink_tokens": 32, "window_tokens": 256, "dense_threshold": 512, "dense_layers": [],
+         "stages": STAGES, "refresh_intervals": [8, 4, 2]}
+GRAPHS = {k: v for k, v in ENGINE.items() if k != "enforce_eager"}
+
+
+def test_cuda_graphs_on_and_off_give_the_same_greedy_tokens(tmp_path):
+    """vLLM's default FULL_AND_PIECEWISE mode captures infinitehip decode in full graphs; the
+    replayed cascade (every refresh level inside one graph) must give the eager tokens."""
+    hip = {"additional_config": {"infinitehip": SMALL}}
+    eager = generate(tmp_path, "infinitehip", {**ENGINE, **hip}, max_tokens=24)
+    graphs = generate(tmp_path, "infinitehip", {**GRAPHS, **hip}, max_tokens=24)
+    assert graphs["report"]["stats"]["sparse_decode_queries"] > 0
+    assert graphs["report"]["stats"]["refreshes"] == eager["report"]["stats"]["refreshes"]
+    assert graphs["tokens"] == eager["tokens"]
+
+
+def test_decode_forward_does_no_host_sync(tmp_path):
+    """Every pure-decode forward runs under torch.cuda.set_sync_debug_mode("error")."""
+    ours = generate(tmp_path, "infinitehip", {**ENGINE, "additional_config": {"infinitehip": SMALL}},
+                    max_tokens=16, sync_debug=True)  # fmt: skip
+    assert ours["report"]["sync_checked_forwards"] >= 2 * 15  # layers x decode steps
+    assert ours["report"]["stats"]["sparse_decode_queries"] > 0
+
+
+def test_mixed_refresh_levels_in_one_batch_equal_each_request_alone(tmp_path):
+    """Requests added a few steps apart decode side by side at different refresh levels, in
+    one batched cascade; each must produce the tokens it produces alone."""
+    hip = {"additional_config": {"infinitehip": SMALL}}
+    prompts = PROMPTS + ["class A:\n    pass\n" * 200]
+    together = generate(tmp_path, "infinitehip", {**GRAPHS, **hip}, max_tokens=20,
+                        prompts=prompts, stagger=[0, 3, 5])  # fmt: skip
+    alone = generate(tmp_path, "infinitehip", {**GRAPHS, **hip}, max_tokens=20, prompts=prompts,
+                     one_at_a_time=True)["tokens"]  # fmt: skip
+    levels = together["report"]["stats"]["refreshes"]
+    assert len([k for k, v in levels.items() if v]) == 4  # every level ran
+    assert together["tokens"] == alone

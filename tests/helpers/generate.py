@@ -24,6 +24,64 @@ def generate_in_subprocess(model: str, backend: str, spec: dict, workdir: Path, 
     return json.loads(dst.read_text())
 
 
+def staggered_generate(llm, prompts: list, offsets: list[int], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of ``prompts``, request ``i`` added at engine step ``offsets[i]``, so the
+    requests decode side by side at different decode steps (different refresh levels)."""
+    import itertools
+
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    tag = f"stagger{next(_STAGGER_IDS)}-"
+    pending = sorted(range(len(prompts)), key=lambda i: offsets[i])
+    done: dict[int, list[int]] = {}
+    for step in itertools.count():
+        while pending and offsets[pending[0]] <= step:
+            i = pending.pop(0)
+            engine.add_request(f"{tag}{i}", prompts[i], params)
+        if not pending and not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id.removeprefix(tag).split("-")[0])] = list(
+                    out.outputs[0].token_ids
+                )
+    return [done[i] for i in range(len(prompts))]
+
+
+_STAGGER_IDS = iter(range(1 << 30))
+
+
+def decode_forwards_raise_on_sync() -> list[int]:
+    """Run every pure-decode forward (and its KV write) of the backend under
+    ``torch.cuda.set_sync_debug_mode("error")``: any host sync there raises. Returns a list
+    that counts the forwards checked."""
+    import torch
+
+    from vllm_infinitehip.backend import InfiniteHiPImpl
+
+    checked: list[int] = []
+    forward = InfiniteHiPImpl.forward
+
+    def strict_forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kw):
+        m = attn_metadata
+        if m is None or m.num_decodes != len(m.seq_lens_host) or self._params is None:
+            return forward(self, layer, query, key, value, kv_cache, m, *args, **kw)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            self.do_kv_cache_update(layer, key, value, kv_cache, m.slot_mapping)
+            out = forward(self, layer, query, key, value, kv_cache, m, *args, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        checked.append(m.num_decodes)
+        return out
+
+    InfiniteHiPImpl.forward = strict_forward
+    return checked
+
+
 if __name__ == "__main__":
     model, backend, path_in, path_out = sys.argv[1:5]
     spec = json.load(open(path_in))
@@ -32,13 +90,19 @@ if __name__ == "__main__":
     kw = dict(spec["engine"])
     if backend != "default":
         kw["attention_backend"] = backend  # "infinitehip" or any vLLM backend name
+    checked = decode_forwards_raise_on_sync() if spec.get("sync_debug") else None
     llm = LLM(model, **kw)
     if spec.get("report"):
         from vllm_infinitehip.metrics import collect_stats
 
         llm.collective_rpc(collect_stats, kwargs={"reset": True})  # not the warm-up run's counts
-    outs = llm.generate(spec["prompts"], SamplingParams(temperature=0, max_tokens=spec["max_tokens"]))
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    if spec.get("stagger"):
+        tokens = staggered_generate(llm, spec["prompts"], spec["stagger"], spec["max_tokens"])
+    else:
+        params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"])
+        # one_at_a_time: each prompt alone in the batch, one engine for all
+        groups = [[p] for p in spec["prompts"]] if spec.get("one_at_a_time") else [spec["prompts"]]
+        tokens = [list(o.outputs[0].token_ids) for g in groups for o in llm.generate(g, params)]
     if not spec.get("report"):
         json.dump(tokens, open(path_out, "w"))
         sys.exit(0)
@@ -48,5 +112,6 @@ if __name__ == "__main__":
         "max_position_embeddings": cfg.model_config.hf_text_config.max_position_embeddings,
         "trained_context": (cfg.additional_config or {}).get("infinitehip", {}).get("trained_context"),
         "stats": llm.collective_rpc(collect_stats)[0],
+        "sync_checked_forwards": None if checked is None else len(checked),
     }
     json.dump({"tokens": tokens, "report": report}, open(path_out, "w"))

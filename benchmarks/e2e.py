@@ -1,0 +1,243 @@
+"""End to end through vLLM: infinitehip against vLLM's default GPU backend (FLASH_ATTN), one run.
+
+Every engine is vLLM's own ``LLM`` (in-process engine, CUDA graphs as vLLM configures them),
+Llama-3-8B architecture with dummy weights, bf16, ``max_num_batched_tokens=32768``, prefix
+caching on. Each engine runs in its own process (a deleted in-process engine keeps GPU memory).
+
+Per context and engine:
+
+- ``prefill_s`` and ``ttft_s``: a cold prompt with ``max_tokens=1``; prefill is the engine's own
+  ``first_token_ts - scheduled_ts``, TTFT its ``first_token_latency`` (arrival to first token);
+- ``decode_tok_s`` at batch 1: the same prompt again (a prefix-cache hit, so no prefill),
+  ``(t(65 tokens) - t(1 token)) / 64``;
+- ``decode_tok_s`` at batch 8 (``--batch8-contexts``): eight prompts sharing the context but their
+  last 64 tokens (so their KV fits beside each other through prefix caching), tokens per second of
+  the whole batch, the same difference of two calls;
+- ``host_share``: one 33-token decode call under ``torch.profiler``: 1 - (time the GPU ran any
+  kernel) / (wall time of the call). The profiler adds host time of its own, so this is an upper
+  bound.
+
+Every engine first serves a warm-up prompt past the dense threshold (Triton compiles its kernels
+on first use); no timing includes it. Results: ``e2e-gpu-<date>.json`` (rows as the issue names
+them), a PNG of tok/s against context, and a table on stdout. Contexts whose FLASH_ATTN prefill
+would not fit the run's time are skipped for that backend (``--skip``) and reported as not run.
+
+    python benchmarks/e2e.py --model /tmp/devbundle-models/model-llama3-8b-config \\
+        --contexts 32768 131072 524288 --engines flash_attn 3k-fast 3k-fast+ext
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+WARMUP_TOKENS = 16384
+TRAINED_FOR_EXTENSION = 8192  # "the model declared as trained on 8K"
+
+
+def engine_spec(name: str, max_len: int) -> dict:
+    """``flash_attn``, or an infinitehip preset with ``+ext`` for context extension on."""
+    kw = dict(load_format="dummy", dtype="bfloat16", max_model_len=max_len,
+              max_num_batched_tokens=32768, enable_prefix_caching=True,
+              gpu_memory_utilization=0.94, disable_log_stats=False, seed=0,
+              hf_overrides={"max_position_embeddings": max_len})  # fmt: skip
+    if name == "flash_attn":
+        return {**kw, "attention_backend": "FLASH_ATTN"}
+    preset, _, ext = name.partition("+")
+    hip = {"preset": preset, "rope_extension": ext == "ext"}
+    if ext == "ext":
+        hip["trained_context"] = TRAINED_FOR_EXTENSION
+    return {**kw, "attention_backend": "infinitehip", "additional_config": {"infinitehip": hip}}
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 100000) for _ in range(n)]
+
+
+def gpu_busy_share(prof) -> float:
+    """Share of the profiled span the GPU spent in kernels (union of their intervals)."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA"
+    )
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:
+        if e <= end:
+            continue
+        busy += e - max(s, end)
+        end = e
+    return busy
+
+
+def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], max_len: int,
+               budget_s: float) -> list[dict]:  # fmt: skip
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t_start = time.perf_counter()
+    llm = LLM(model, **engine_spec(name, max_len))
+    init_s = time.perf_counter() - t_start
+
+    def call(prompts, max_tokens):
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        t = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
+                            use_tqdm=False)  # fmt: skip
+        return time.perf_counter() - t, outs
+
+    call([random_prompt(WARMUP_TOKENS, 1)], 8)  # compiles the kernels; not timed
+    rows = []
+    backend = "flash_attn" if name == "flash_attn" else "infinitehip"
+    preset = None if name == "flash_attn" else name.partition("+")[0]
+    ext = name.endswith("+ext")
+    for ctx in contexts:
+        if time.perf_counter() - t_start > budget_s:
+            print(f"[e2e] {name}: time budget spent before {ctx}", flush=True)
+            break
+        prompt = random_prompt(ctx - 1, ctx)
+        wall, outs = call([prompt], 1)
+        m = outs[0].metrics
+        prefill = (m.first_token_ts - m.scheduled_ts) if m and m.first_token_ts else wall
+        ttft = m.first_token_latency if m and m.first_token_latency else wall
+        t1, _ = call([prompt], 1)
+        t65, _ = call([prompt], 65)
+        decode = 64 / (t65 - t1)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            tp, _ = call([prompt], 33)
+        host_share = max(0.0, 1.0 - gpu_busy_share(prof) / (tp * 1e6))
+        base = dict(context=ctx, backend=backend, preset=preset, rope_extension=ext,
+                    engine=name, init_s=round(init_s, 1))  # fmt: skip
+        rows.append({**base, "batch": 1, "prefill_s": round(prefill, 3),
+                     "ttft_s": round(ttft, 3), "decode_tok_s": round(decode, 1),
+                     "host_share": round(host_share, 3)})  # fmt: skip
+        print(f"[e2e] {rows[-1]}", flush=True)
+        if ctx in batch8:
+            prompts = [prompt[:-64] + random_prompt(64, 10 * ctx + i) for i in range(8)]
+            call(prompts, 1)  # their suffixes' prefill
+            t1, _ = call(prompts, 1)
+            t65, _ = call(prompts, 65)
+            rows.append({**base, "batch": 8, "prefill_s": None, "ttft_s": None,
+                         "decode_tok_s": round(8 * 64 / (t65 - t1), 1), "host_share": None})
+            print(f"[e2e] {rows[-1]}", flush=True)
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    fa = {(r["context"], r["batch"]): r for r in rows if r["backend"] == "flash_attn"}
+    for r in rows:
+        base = fa.get((r["context"], r["batch"]))
+        r["decode_speedup_vs_flash_attn"] = (
+            round(r["decode_tok_s"] / base["decode_tok_s"], 2) if base else None
+        )
+        r["prefill_speedup_vs_flash_attn"] = (
+            round(base["prefill_s"] / r["prefill_s"], 2)
+            if base and base.get("prefill_s") and r.get("prefill_s") else None
+        )
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (engine, batch) in sorted({(r["engine"], r["batch"]) for r in rows}):
+        pts = sorted((r["context"], r["decode_tok_s"]) for r in rows
+                     if r["engine"] == engine and r["batch"] == batch)  # fmt: skip
+        style = "-o" if batch == 1 else "--s"
+        ax.plot([c / 1024 for c, _ in pts], [v for _, v in pts], style,
+                label=f"{engine}, batch {batch}")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (K tokens)")
+    ax.set_ylabel("decode tokens / s")
+    ax.set_title("Llama-3-8B (dummy weights), bf16, one H200, through vLLM 0.26")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["context", "engine", "batch", "prefill_s", "ttft_s", "decode_tok_s",
+            "decode_speedup_vs_flash_attn", "prefill_speedup_vs_flash_attn", "host_share"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in sorted(rows, key=lambda r: (r["context"], r["batch"], r["engine"])):
+        lines.append("| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="/tmp/devbundle-models/model-llama3-8b-config")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072, 524288])
+    ap.add_argument("--engines", nargs="+", default=["flash_attn", "3k-fast", "3k-fast+ext"])
+    ap.add_argument("--batch8-contexts", type=int, nargs="*", default=[131072])
+    ap.add_argument("--skip", nargs="*", default=[],
+                    help="ENGINE:CONTEXT pairs not to run (e.g. flash_attn:917504)")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="per engine")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--merge", action="store_true", help="keep rows of other engines/contexts "
+                    "already in today's file")  # fmt: skip
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    max_len = args.max_model_len or max(args.contexts) + 128
+
+    if args.worker:  # one engine, in this process
+        name, out = args.worker.split("=", 1)
+        skip = {int(s.split(":")[1]) for s in args.skip if s.split(":")[0] == name}
+        contexts = [c for c in args.contexts if c not in skip]
+        rows = run_engine(args.model, name, contexts, args.batch8_contexts, max_len,
+                          args.budget_s)  # fmt: skip
+        Path(out).write_text(json.dumps(rows))
+        return
+
+    import torch
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    path = out_dir / f"e2e-gpu-{date}.json"
+    rows: list[dict] = []
+    if args.merge and path.exists():
+        rows = json.loads(path.read_text())["rows"]
+    for name in args.engines:
+        tmp = out_dir / f".e2e-{name}.json"
+        cmd = [sys.executable, __file__, "--worker", f"{name}={tmp}", *sys.argv[1:]]
+        proc = subprocess.run(cmd)
+        if not tmp.exists():
+            print(f"[e2e] {name}: engine failed (exit {proc.returncode})", flush=True)
+            continue
+        new = json.loads(tmp.read_text())
+        tmp.unlink()
+        done = {(r["engine"], r["context"], r["batch"]) for r in new}
+        rows = [r for r in rows if (r["engine"], r["context"], r["batch"]) not in done] + new
+        add_ratios(rows)
+        result = {"name": "e2e", "date": date, "gpu": torch.cuda.get_device_name(0),
+                  "command": "python benchmarks/e2e.py " + " ".join(sys.argv[1:]),
+                  "notes": "compiling warm-up call excluded from every timing; prefill_s and "
+                           "ttft_s from vLLM's request timestamps; decode from two calls on a "
+                           "prefix-cache hit; host_share from torch.profiler (an upper bound)",
+                  "rows": rows}  # fmt: skip
+        path.write_text(json.dumps(result, indent=1))
+        plot(rows, path.with_suffix(".png"))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Third of three device calls (shared/device/README.md), with the vLLM bundle in /root/b:
+#   run(command="bash benchmarks/gpu_e2e_run.sh tests")            kernel + vLLM GPU tests
+#   run(command="bash benchmarks/gpu_e2e_run.sh e2e [e2e.py args]") the end-to-end benchmark
+#   run(command="bash benchmarks/gpu_e2e_run.sh attention [contexts]") the kernel benchmark
+# Logs and results land in $OUT.
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+what=${1:-tests}; shift || true
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+[ -x /tmp/site/bin/pytest ] && PYTEST_BIN=/tmp/site/bin/pytest || PYTEST_BIN=pytest
+PYTEST="$PYTEST_BIN -q -p no:cacheprovider --import-mode=importlib"  # the console script: no checkout on sys.path
+case $what in
+  tests)
+    timeout 240 $PYTEST -x tests/test_triton_decode.py tests/test_triton_bsa.py tests/test_triton_prune.py \
+      2>&1 | tee "$OUTDIR/gpu-tests.log" | tail -8
+    timeout 330 $PYTEST -x -rA tests/gpu 2>&1 | tee "$OUTDIR/gpu-vllm-tests.log" \
+      | grep -E "passed|failed|Error|error|assert|PASSED|FAILED" | grep -vE "^(INFO|WARNING|DEBUG)" | tail -30 ;;
+  e2e)
+    python3 benchmarks/e2e.py --out "$OUTDIR" "$@" 2>&1 | tee "$OUTDIR/e2e.log" \
+      | grep -E "^\[e2e\]|^\||Error|error" | tail -60 ;;
+  attention)
+    BASELINES=fa3 python3 benchmarks/attention.py --out "$OUTDIR" --baselines fa3 ${@:+--contexts "$@"} \
+      2>&1 | tee "$OUTDIR/attention.log" | tail -40 ;;
+esac
