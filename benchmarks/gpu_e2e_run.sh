@@ -17,8 +17,11 @@ case $what in
     timeout 330 $PYTEST -x -rA tests/gpu 2>&1 | tee "$OUTDIR/gpu-vllm-tests.log" \
       | grep -E "passed|failed|Error|error|assert|PASSED|FAILED" | grep -vE "^(INFO|WARNING|DEBUG)" | tail -30 ;;
   e2e)
-    python3 benchmarks/e2e.py --out "$OUTDIR" "$@" 2>&1 | tee "$OUTDIR/e2e.log" \
-      | grep -E "^\[e2e\]|^\||Error|error" | tail -60 ;;
+    # results accumulate in /root/e2e across calls (--merge), copied to $OUT after each
+    mkdir -p /root/e2e
+    python3 benchmarks/e2e.py --out /root/e2e --merge "$@" 2>&1 | tee -a /root/e2e/e2e.log \
+      | grep -E "^\[e2e\]|^\||Error|error" | tail -60
+    cp /root/e2e/e2e-gpu-* /root/e2e/e2e.log "$OUTDIR"/ ;;
   attention)
     BASELINES=fa3 python3 benchmarks/attention.py --out "$OUTDIR" --baselines fa3 ${@:+--contexts "$@"} \
       2>&1 | tee "$OUTDIR/attention.log" | tail -40 ;;

@@ -104,6 +104,10 @@ class TritonOps:
         self.precision = precision
 
     def dense(self, req, q, positions, scale):
+        """vLLM's own FlashAttention over the paged cache where it runs (fp16/bf16 on CUDA,
+        checked once per device by :func:`flash_attention_works`), else a gather and SDPA."""
+        if q.dtype in (torch.float16, torch.bfloat16) and flash_attention_works(q.device):
+            return _flash_dense(req, q, scale)
         k, v = req.contiguous()
         return ref.dense_attention(q, k, v, positions, scale)
 
@@ -157,6 +161,60 @@ class TritonOps:
             rope=params.rope.table if streaming else None, row_slots=rows.slots, stats=pairs,
             workspace=scratch.workspace,
         )  # fmt: skip
+
+
+def _flash_dense(req: RequestKV, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last ``len(q)`` positions of one request with vLLM's FA."""
+    from vllm.v1.attention.backends.fa_utils import (
+        flash_attn_varlen_func,
+        get_flash_attn_version,
+    )
+
+    n, device = q.shape[0], q.device
+    out = torch.empty_like(q)
+    # host-built lengths: prefill runs eagerly, so these small copies are fine
+    cu_q = torch.tensor([0, n], dtype=torch.int32, device=device)
+    seqused_k = torch.tensor([req.seq_len], dtype=torch.int32, device=device)
+    flash_attn_varlen_func(
+        q=q, k=req.kv_cache[:, 0], v=req.kv_cache[:, 1], out=out, cu_seqlens_q=cu_q,
+        max_seqlen_q=n, seqused_k=seqused_k, max_seqlen_k=req.seq_len, softmax_scale=scale,
+        causal=True, block_table=req.block_table_row.view(1, -1).to(torch.int32),
+        fa_version=get_flash_attn_version(head_size=q.shape[-1]),
+    )  # fmt: skip
+    return out
+
+
+_FLASH_OK: dict[str, bool] = {}
+
+
+def flash_attention_works(device: torch.device) -> bool:
+    """Whether vLLM's FlashAttention reads this plugin's cache layout right on ``device``: one
+    small paged case against the reference, once per device. The K and V planes of
+    ``[blocks, 2, block_size, H, D]`` are strided views, which FA's paged path takes; if a
+    build cannot, dense prefill falls back to the reference (logged)."""
+    key = str(device)
+    if key not in _FLASH_OK:
+        try:
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            kv = torch.randn(9, 2, 16, 2, 64, generator=gen).to(device, torch.bfloat16)
+            table = torch.tensor([3, 7, 1, 5, 0, 8], dtype=torch.int32, device=device)
+            req = RequestKV(kv, table, 90)
+            q = torch.randn(20, 8, 64, generator=gen).to(device, torch.bfloat16)
+            got = _flash_dense(req, q, 0.125)
+            k, v = req.contiguous()
+            want = ref.dense_attention(q, k, v, torch.arange(70, 90, device=device), 0.125)
+            _FLASH_OK[key] = bool(torch.allclose(got.float(), want.float(), atol=2e-2))
+        except Exception as e:  # noqa: BLE001 - any failure means: do not use it
+            _FLASH_OK[key] = False
+            _FLASH_OK[key + ":error"] = f"{type(e).__name__}: {e}"[:300]  # type: ignore[assignment]
+        if not _FLASH_OK[key]:
+            import logging
+
+            logging.getLogger("vllm.vllm_infinitehip").warning(
+                "vLLM's FlashAttention did not match the reference on this cache layout (%s); "
+                "dense prefill uses a gather and SDPA", _FLASH_OK.get(key + ":error", "mismatch"),
+            )  # fmt: skip
+    return _FLASH_OK[key]
 
 
 def ops_for(device: torch.device, precision: str = "fp32") -> AttentionOps:

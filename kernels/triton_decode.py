@@ -2,10 +2,11 @@
 
 Per layer and stage, two launches serve all decode rows, whatever their refresh levels:
 
-- :func:`_decode_select_kernel` (grid: rows x chunk tiles x KV heads) is SelectRep for one
-  decode query per row over that row's candidate chunks. The query heads of a KV group share a
-  program, so the keys they probe first (the same midpoints) are read once, and their scores are
-  max-reduced in registers, then across KV groups with an atomic max into ``scores[row, chunk]``.
+- :func:`_decode_select_kernel` (grid: rows x chunk tiles x head blocks) is SelectRep for one
+  decode query per row over that row's candidate chunks. A program takes ``HEADS`` query heads
+  of one KV group (scores max-reduced in registers); programs meet in an atomic max into
+  ``scores[row, chunk]``. ``HEADS = 1``: each bisection step waits on its gathered keys, so more
+  programs in flight beat sharing the group's first probes (the heads diverge after one step).
 - :func:`_top_chunks_kernel` (grid: rows) keeps each row's top ``keep`` chunks by score, in
   position order, and splits them into the next stage's chunks (or, after the last stage, writes
   the final blocks) in the row's state slot. It resets the scores it read to -inf, so the scratch
@@ -154,6 +155,7 @@ def _decode_select_kernel(
     stride_sb,
     STAGE: tl.constexpr,
     GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
     N_ITERS: tl.constexpr,
@@ -167,7 +169,8 @@ def _decode_select_kernel(
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    head_block = tl.program_id(2)
+    kv_head = head_block * HEADS // GROUP
     row_slot = tl.load(slot_ptr + b)
     level = tl.load(level_ptr + b)
     if (row_slot < 0) | (level < 0) | (level > STAGE):
@@ -211,8 +214,8 @@ def _decode_select_kernel(
     k_head_ptr = kv_ptr + kv_head.to(tl.int64) * stride_khead  # K plane: index 0
 
     best_all = tl.full([BLOCK_CHUNK], float("-inf"), tl.float32)
-    for g in tl.static_range(GROUP):
-        head = kv_head * GROUP + g
+    for g in tl.static_range(HEADS):
+        head = head_block * HEADS + g
         q_row = b.to(tl.int64) * stride_qb + head * stride_qh
         q = tl.load(q_ptr + q_row + offs_d * stride_qd, mask=d_in, other=0.0).to(tl.float32)
         if ROPE_STYLE == 1:
@@ -463,18 +466,19 @@ def refresh_masks(
         rope_args = (q_left, q_left, 0, 1)
         rope_meta = dict(ROPE_STYLE=ROPE_NONE, ROT_DIM=0, IS_NEOX=True)
     block_d = max(16, triton.next_power_of_2(d))
-    block_chunk = 32 if d > 128 or placement is not None else 64
+    block_chunk = 32
+    heads = 1  # query heads per program (see the module docstring)
     for i, st in enumerate(params.stages):
         width = scores[i].shape[1]
         cand = masks.inputs[i] if i > 0 else masks.counts
-        _decode_select_kernel[(batch, triton.cdiv(width, block_chunk), hkv)](
+        _decode_select_kernel[(batch, triton.cdiv(width, block_chunk), hq // heads)](
             q_left, q_left if q_right is None else q_right, kv_cache, rows.block_table,
             rows.seq_lens, rows.slots, rows.levels, cand, masks.counts, masks.widths, scores[i],
             *rope_args, d, params.sink_tokens, params.scan_window,
             *q_left.stride(), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
             kv_cache.stride(4), *rows.block_table.stride(), cand.stride(0), cand.stride(1),
             masks.counts.stride(0), scores[i].stride(0),
-            STAGE=i, GROUP=hq // hkv, PAGE_SIZE=page_size, CHUNK_SIZE=st.chunk_size,
+            STAGE=i, GROUP=hq // hkv, HEADS=heads, PAGE_SIZE=page_size, CHUNK_SIZE=st.chunk_size,
             N_ITERS=ref.bisect_steps(st.chunk_size), MIDPOINT=params.probe == "midpoint",
             LO_BITS=LO_BITS, BLOCK_CHUNK=block_chunk, BLOCK_D=block_d,
             num_warps=4, **rope_meta,

@@ -204,9 +204,9 @@ def test_bad_arguments_name_the_input():
         tp.select_rep_scores_paged(
             qp, cache, z[0], z, z.bool(), z[:, 0], chunk_size=8, probe="centre"
         )
-    with pytest.raises(ValueError, match="precision='tf32'"):
+    with pytest.raises(ValueError, match="precision='fp8'"):
         tp.select_rep_scores_paged(
-            qp, cache[:, :, :, :2], z[0], z, z.bool(), z[:, 0], chunk_size=8, precision="tf32"
+            qp, cache[:, :, :, :2], z[0], z, z.bool(), z[:, 0], chunk_size=8, precision="fp8"
         )
 
 

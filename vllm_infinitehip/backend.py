@@ -70,6 +70,16 @@ def layer_prune_params(
     )
 
 
+def trained_and_extension(config: InfiniteHiPConfig, model_config) -> tuple[int, bool]:
+    """The model's trained length and whether RoPE extension is on for this served length."""
+    trained = (
+        config.trained_context
+        or getattr(model_config.hf_text_config, "max_position_embeddings", None)
+        or model_config.max_model_len
+    )
+    return trained, config.extends_rope(model_config.max_model_len, trained)
+
+
 def _current_device(vllm_config: VllmConfig) -> torch.device:
     device = torch.device(vllm_config.device_config.device)
     if device.type == "cuda" and device.index is None:
@@ -146,6 +156,10 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         self.config = InfiniteHiPConfig.from_vllm_config(vllm_config)
         self.block_size = kv_cache_spec.block_size
         self.threshold = self.config.effective_dense_threshold
+        trained, extension = trained_and_extension(self.config, vllm_config.model_config)
+        self.prefill_threshold = self.config.prefill_threshold(
+            device.type == "cuda", extension, trained
+        )
         max_rows = vllm_config.scheduler_config.max_num_seqs
         max_len = vllm_config.model_config.max_model_len
         params = {name: layer_prune_params(self.config, _layer_index(name)) for name in layer_names}
@@ -212,7 +226,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             counters.sparse_decode_queries += n_sparse
             counters.dense_queries += int((dec_lens > 0).sum()) - n_sparse
             for i in range(num_decodes, n):
-                if seq_lens_host[i] <= self.threshold:
+                if seq_lens_host[i] <= self.prefill_threshold:
                     counters.dense_queries += int(query_lens[i])
                 else:
                     counters.sparse_prefill_queries += int(query_lens[i])
@@ -343,13 +357,9 @@ class InfiniteHiPImpl(AttentionImpl):
         self.config = InfiniteHiPConfig.from_vllm_config(vllm_config)
         model_config = vllm_config.model_config
         self.max_model_len = model_config.max_model_len
-        trained = (
-            self.config.trained_context
-            or getattr(model_config.hf_text_config, "max_position_embeddings", None)
-            or model_config.max_model_len
+        self.trained_context, self.rope_extension = trained_and_extension(
+            self.config, model_config
         )
-        self.trained_context = trained
-        self.rope_extension = self.config.extends_rope(model_config.max_model_len, trained)
         self._rope_table = None
         if self.rope_extension:
             from vllm_infinitehip.kernels.rope import RopeTable
@@ -366,6 +376,13 @@ class InfiniteHiPImpl(AttentionImpl):
         # capture: (attended, context) pairs of this layer's sparse queries, and the RoPE
         # tables and fixed query turns of both pruning styles a layer may use.
         device = _current_device(vllm_config)
+        self.prefill_threshold = self.config.prefill_threshold(
+            device.type == "cuda", self.rope_extension, self.trained_context
+        )
+        if device.type == "cuda":
+            from vllm_infinitehip.kernels.ops import flash_attention_works
+
+            flash_attention_works(device)  # the one-time check, before any graph capture
         self.pairs = torch.zeros(2, dtype=torch.int64, device=device)
         self._placements: dict[str, object] = {}
         if self._rope_table is not None and device.type == "cuda":
@@ -488,7 +505,7 @@ class InfiniteHiPImpl(AttentionImpl):
         q = q_all[lo:hi]
         req = RequestKV(kv_cache, m.block_table[i], seq_len)
         positions = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
-        if seq_len <= self.config.effective_dense_threshold:
+        if seq_len <= self.prefill_threshold:
             out[lo:hi] = ops.dense(req, q, positions, self.scale)
             return
         o, attended = self._sparse_prefill(ops, req, q, positions)

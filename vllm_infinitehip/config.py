@@ -60,6 +60,9 @@ PROBE_RULES = ("midpoint", "first")
 ROPE_PRUNING_STYLES = ("paper", "relative", "chunk-indexed", "none")
 ROPE_BSA_STYLES = ("streaming", "none")
 SCORING_PRECISIONS = ("tf32", "fp32")
+# H200, 2026-11-30 (README kernel table): one 32K-query prefill chunk of a Llama-3-8B layer took
+# 105 ms sparse and 105 ms with vLLM's FA3 at 128K context, 64 vs 14 ms at 32K.
+DENSE_PREFILL_CROSSOVER = 131072
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,11 @@ class InfiniteHiPConfig:
       as a decode query is (b_q = 1), instead of with its block (the max over 64 queries). Off by
       default, as in the authors' code: on SmolLM2 passkeys past the trained length neither was
       better consistently (the block's question tokens help find the needle, filler hurts).
+    - ``prefill_dense_threshold``: prefill chunks whose context is at most this many tokens run
+      exact dense attention. ``"auto"``: on a GPU, ``DENSE_PREFILL_CROSSOVER`` (128K, where
+      vLLM's FlashAttention over the paged cache stops being cheaper than the sparse prefill)
+      capped at the trained length when RoPE extension is on; elsewhere, and at least,
+      ``dense_threshold``. ``null``: ``dense_threshold``.
     - ``scoring_precision``: how the GPU prefill's pruning stages multiply q.k: ``"tf32"`` (one
       tensor-core pass, default) or ``"fp32"`` (three passes, fp32-accurate). Decode scoring is
       always exact fp32 (one query per row).
@@ -116,6 +124,7 @@ class InfiniteHiPConfig:
     rope_bsa: str = "streaming"
     trained_context: int | None = None
     scoring_precision: str = "tf32"
+    prefill_dense_threshold: int | str | None = "auto"
 
     @property
     def final_keep_tokens(self) -> int:
@@ -130,6 +139,21 @@ class InfiniteHiPConfig:
         if self.dense_threshold is not None:
             return self.dense_threshold
         return self.sink_tokens + self.window_tokens + self.final_keep_tokens
+
+    def prefill_threshold(self, on_gpu: bool, rope_extension: bool, trained_context: int) -> int:
+        """Longest context whose prefill chunks run dense (see ``prefill_dense_threshold``)."""
+        base = self.effective_dense_threshold
+        v = self.prefill_dense_threshold
+        if v is None:
+            return base
+        if v == "auto":
+            if not on_gpu:
+                return base
+            auto = DENSE_PREFILL_CROSSOVER
+            if rope_extension:  # dense attention sees true positions: only inside the trained length
+                auto = min(auto, trained_context)
+            return max(base, auto)
+        return max(base, int(v))
 
     def extends_rope(self, max_model_len: int, trained_context: int) -> bool:
         if self.rope_extension == "auto":
@@ -175,7 +199,8 @@ class InfiniteHiPConfig:
             f"prefill_tail_window={self.prefill_tail_window} "
             f"prefill_final_query_own_mask={self.prefill_final_query_own_mask} "
             f"rope_extension={self.rope_extension} trained_context={self.trained_context} "
-            f"scoring_precision={self.scoring_precision}"
+            f"scoring_precision={self.scoring_precision} "
+            f"prefill_dense_threshold={self.prefill_dense_threshold}"
         )
 
     # ---------------------------------------------------------------- parsing
@@ -243,6 +268,11 @@ class InfiniteHiPConfig:
                         f"`infinitehip.{name}`={values[name]!r} is not one of {', '.join(allowed)}"
                     )
                 kwargs[name] = values[name]
+        if "prefill_dense_threshold" in values:
+            v = values["prefill_dense_threshold"]
+            if v is not None and v != "auto":
+                v = _int(v, "infinitehip.prefill_dense_threshold", minimum=0)
+            kwargs["prefill_dense_threshold"] = v
         if "scoring_precision" in values:
             if values["scoring_precision"] not in SCORING_PRECISIONS:
                 raise InfiniteHiPConfigError(
