@@ -80,6 +80,20 @@ def trained_and_extension(config: InfiniteHiPConfig, model_config) -> tuple[int,
     return trained, config.extends_rope(model_config.max_model_len, trained)
 
 
+def prefill_threshold(
+    config: InfiniteHiPConfig, device: torch.device, extension: bool, trained: int
+) -> int:
+    """Longest context prefilled densely: the config's rule on a GPU where vLLM's FlashAttention
+    reads our cache layout (checked once, before any graph capture), else the dense threshold
+    (a gather and SDPA is never cheaper than sparse prefill)."""
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        from vllm_infinitehip.kernels.ops import flash_attention_works
+
+        on_gpu = flash_attention_works(device)
+    return config.prefill_threshold(on_gpu, extension, trained)
+
+
 def _current_device(vllm_config: VllmConfig) -> torch.device:
     device = torch.device(vllm_config.device_config.device)
     if device.type == "cuda" and device.index is None:
@@ -157,9 +171,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         self.block_size = kv_cache_spec.block_size
         self.threshold = self.config.effective_dense_threshold
         trained, extension = trained_and_extension(self.config, vllm_config.model_config)
-        self.prefill_threshold = self.config.prefill_threshold(
-            device.type == "cuda", extension, trained
-        )
+        self.prefill_threshold = prefill_threshold(self.config, device, extension, trained)
         max_rows = vllm_config.scheduler_config.max_num_seqs
         max_len = vllm_config.model_config.max_model_len
         params = {name: layer_prune_params(self.config, _layer_index(name)) for name in layer_names}
@@ -376,13 +388,9 @@ class InfiniteHiPImpl(AttentionImpl):
         # capture: (attended, context) pairs of this layer's sparse queries, and the RoPE
         # tables and fixed query turns of both pruning styles a layer may use.
         device = _current_device(vllm_config)
-        self.prefill_threshold = self.config.prefill_threshold(
-            device.type == "cuda", self.rope_extension, self.trained_context
+        self.prefill_threshold = prefill_threshold(
+            self.config, device, self.rope_extension, self.trained_context
         )
-        if device.type == "cuda":
-            from vllm_infinitehip.kernels.ops import flash_attention_works
-
-            flash_attention_works(device)  # the one-time check, before any graph capture
         self.pairs = torch.zeros(2, dtype=torch.int64, device=device)
         self._placements: dict[str, object] = {}
         if self._rope_table is not None and device.type == "cuda":
