@@ -85,3 +85,25 @@ def test_tail_window_fills_the_trained_length_with_the_final_budget():
     assert c.tail_window(2048) == c.window_tokens  # never below the window
     assert InfiniteHiPConfig.from_user({"prefill_tail_window": None}).tail_window(8192) is None
     assert InfiniteHiPConfig.from_user({"prefill_tail_window": 3000}).tail_window(8192) == 3000
+
+
+def test_prefill_dense_threshold_rule():
+    from vllm_infinitehip.config import DENSE_PREFILL_CROSSOVER
+
+    auto = InfiniteHiPConfig.from_user({})
+    base = auto.effective_dense_threshold
+    assert auto.prefill_threshold(on_gpu=True, rope_extension=False, trained_context=8192) == (
+        DENSE_PREFILL_CROSSOVER
+    )
+    # dense attention sees true positions: only inside the trained length with extension on
+    assert auto.prefill_threshold(True, True, 8192) == 8192
+    assert auto.prefill_threshold(True, True, 1 << 20) == DENSE_PREFILL_CROSSOVER
+    assert auto.prefill_threshold(False, False, 8192) == base  # no FlashAttention: never cheaper
+    off = InfiniteHiPConfig.from_user({"prefill_dense_threshold": None})
+    assert off.prefill_threshold(True, False, 8192) == base
+    fixed = InfiniteHiPConfig.from_user({"prefill_dense_threshold": 50000})
+    assert fixed.prefill_threshold(False, True, 8192) == 50000
+    with pytest.raises(ValueError, match=r"infinitehip\.prefill_dense_threshold"):
+        InfiniteHiPConfig.from_user({"prefill_dense_threshold": "big"})
+    with pytest.raises(ValueError, match=r"infinitehip\.scoring_precision"):
+        InfiniteHiPConfig.from_user({"scoring_precision": "fp16"})

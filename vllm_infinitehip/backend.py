@@ -130,15 +130,12 @@ class StepPlan:
     masks: dict[str, dec.DecodeMasks]
     scratch: DecodeScratch
     counters: StepCounters = field(default_factory=StepCounters)
-    decode_block_table: torch.Tensor | None = None
 
 
 @dataclass
 class InfiniteHiPMetadata:
     num_actual_tokens: int
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
+    block_table: torch.Tensor  # the prefill rows read theirs
     slot_mapping: torch.Tensor
     # decode rows come first: rows [0, num_decodes) hold one query each, tokens [0, num_decodes)
     num_decodes: int
@@ -263,8 +260,6 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             slots.release_all()
         return InfiniteHiPMetadata(
             num_actual_tokens=m.num_actual_tokens,
-            query_start_loc=m.query_start_loc,
-            seq_lens=m.seq_lens,
             block_table=m.block_table_tensor,
             slot_mapping=m.slot_mapping,
             num_decodes=num_decodes,

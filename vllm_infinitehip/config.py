@@ -261,7 +261,11 @@ class InfiniteHiPConfig:
                     f"`infinitehip.rope_extension`={v!r} must be true, false or \"auto\""
                 )
             kwargs["rope_extension"] = v
-        for name, allowed in (("rope_pruning", ROPE_PRUNING_STYLES), ("rope_bsa", ROPE_BSA_STYLES)):
+        for name, allowed in (
+            ("rope_pruning", ROPE_PRUNING_STYLES),
+            ("rope_bsa", ROPE_BSA_STYLES),
+            ("scoring_precision", SCORING_PRECISIONS),
+        ):
             if name in values:
                 if values[name] not in allowed:
                     raise InfiniteHiPConfigError(
@@ -273,13 +277,6 @@ class InfiniteHiPConfig:
             if v is not None and v != "auto":
                 v = _int(v, "infinitehip.prefill_dense_threshold", minimum=0)
             kwargs["prefill_dense_threshold"] = v
-        if "scoring_precision" in values:
-            if values["scoring_precision"] not in SCORING_PRECISIONS:
-                raise InfiniteHiPConfigError(
-                    f"`infinitehip.scoring_precision`={values['scoring_precision']!r} is not one "
-                    f"of {', '.join(SCORING_PRECISIONS)}"
-                )
-            kwargs["scoring_precision"] = values["scoring_precision"]
         if values.get("trained_context") is not None:
             kwargs["trained_context"] = _int(
                 values["trained_context"], "infinitehip.trained_context", minimum=1
