@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
+import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from vllm_infinitehip.kernels import reference as ref
@@ -287,6 +288,59 @@ def test_run_stages_paged_static_bound_keeps_selection():
 
 
 # --------------------------------------------------------------------------- RoPE: delta tables
+_delta_cos_sin_kernel = None
+
+
+def _delta_cos_sin_kernel_src(
+    delta_ptr,
+    cos_ptr,
+    sin_ptr,
+    n,
+    hi_ptr,
+    lo_ptr,
+    bias,
+    n_hi,
+    HALF: tl.constexpr,
+    LO_BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_f = tl.arange(0, BLOCK_F)
+    n_ok = offs_n < n
+    f_ok = offs_f < HALF
+    delta = tl.load(delta_ptr + offs_n, mask=n_ok, other=0)
+    cos, sin = tr.delta_cos_sin(delta, n_ok, offs_f, f_ok, hi_ptr, lo_ptr, bias, n_hi, HALF, LO_BITS)
+    out = offs_n[:, None] * HALF + offs_f[None, :]
+    tl.store(cos_ptr + out, cos, mask=n_ok[:, None] & f_ok[None, :])
+    tl.store(sin_ptr + out, sin, mask=n_ok[:, None] & f_ok[None, :])
+
+
+def delta_cos_sin_triton(
+    delta: torch.Tensor, tables: tr.DeltaTables
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``triton_rope.delta_cos_sin`` run on its own: cos, sin ``[N, rotary_dim // 2]`` for
+    ``delta [N]``. The kernels call the same ``@triton.jit`` helper inline; this launch checks
+    its precision alone."""
+    delta = delta.reshape(-1).contiguous()
+    n, half = delta.shape[0], tables.half
+    cos = torch.empty(n, half, dtype=torch.float32, device=delta.device)
+    sin = torch.empty_like(cos)
+    if n == 0:
+        return cos, sin
+    block_n = 16
+    # Decorated at first use, inside a test: triton.jit reads TRITON_INTERPRET when it decorates,
+    # and this module sets it only while its tests run.
+    global _delta_cos_sin_kernel
+    if _delta_cos_sin_kernel is None:
+        _delta_cos_sin_kernel = triton.jit(_delta_cos_sin_kernel_src)
+    _delta_cos_sin_kernel[(triton.cdiv(n, block_n),)](
+        delta, cos, sin, n, tables.hi, tables.lo, tables.bias, tables.n_hi,
+        HALF=half, LO_BITS=tr.LO_BITS, BLOCK_N=block_n, BLOCK_F=triton.next_power_of_2(half),
+    )  # fmt: skip
+    return cos, sin
+
+
 LLAMA_TABLE = RopeTable.default(128, rope_theta=500000.0)
 
 
@@ -306,7 +360,7 @@ def test_delta_tables_match_float64_truth_at_millions():
         delta = torch.cat([delta, torch.tensor([tables.max_abs_delta, -tables.max_abs_delta])])
         cos64, sin64 = rope_cos_sin(delta, table, torch.float64)
         got_ref = tr.delta_cos_sin_reference(delta, tables)
-        got_tri = tr.delta_cos_sin_triton(delta.to(DEVICE), tr.delta_tables(table, bound, DEVICE))
+        got_tri = delta_cos_sin_triton(delta.to(DEVICE), tr.delta_tables(table, bound, DEVICE))
         for cos, sin in (got_ref, got_tri):
             assert float((cos.cpu().double() - cos64).abs().max()) < 1e-6
             assert float((sin.cpu().double() - sin64).abs().max()) < 1e-6

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -313,8 +314,15 @@ class InfiniteHiPConfig:
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> InfiniteHiPConfig:
+        """The validated config of a vLLM config, parsed once per distinct setting (every layer's
+        impl and the builder ask for it)."""
         additional = getattr(vllm_config, "additional_config", None) or {}
-        return cls.from_user(additional.get(ADDITIONAL_CONFIG_KEY))
+        raw = additional.get(ADDITIONAL_CONFIG_KEY)
+        try:
+            key = json.dumps(raw, sort_keys=True)
+        except TypeError:  # not plain JSON (e.g. an InfiniteHiPConfig): parse it directly
+            return cls.from_user(raw)
+        return _parsed(key)
 
     def validate(self) -> None:
         """Cross-field consistency; raises :class:`InfiniteHiPConfigError` naming the field."""
@@ -373,6 +381,11 @@ class InfiniteHiPConfig:
                 f"`infinitehip.dense_layer_keep_tokens`={self.dense_layer_keep_tokens} must be "
                 f"a multiple of the last stage's chunk_size={self.block_size_k}"
             )
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(raw_json: str) -> InfiniteHiPConfig:
+    return InfiniteHiPConfig.from_user(json.loads(raw_json))
 
 
 def _int(value: Any, where: str, minimum: int) -> int:
