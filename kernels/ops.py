@@ -95,9 +95,9 @@ class ReferenceOps:
 
 
 class TritonOps:
-    """Triton kernels over the paged cache: the GPU path. Dense prefill of short sequences stays
-    on the reference (a gather and SDPA). RoPE remapping (§2) runs in the kernels: relative and
-    chunk-indexed pruning and streaming BSA, for any pairing layout and partial rotary.
+    """Triton kernels over the paged cache: the GPU path; dense prefill runs vLLM's
+    FlashAttention. RoPE remapping (§2) runs in the kernels: relative and chunk-indexed pruning
+    and streaming BSA, for any pairing layout and partial rotary.
     ``precision`` is the prefill pruning's (``triton_prune.select_rep_scores_paged``)."""
 
     def __init__(self, precision: str = "fp32") -> None:
@@ -184,16 +184,21 @@ def _flash_dense(req: RequestKV, q: torch.Tensor, scale: float) -> torch.Tensor:
     return out
 
 
-_FLASH_OK: dict[str, bool] = {}
+# per device: None when vLLM's FlashAttention reads our layout right, else why not
+_FLASH_PROBLEM: dict[str, str | None] = {}
 
 
 def flash_attention_works(device: torch.device) -> bool:
     """Whether vLLM's FlashAttention reads this plugin's cache layout right on ``device``: one
     small paged case against the reference, once per device. The K and V planes of
     ``[blocks, 2, block_size, H, D]`` are strided views, which FA's paged path takes; if a
-    build cannot, dense prefill falls back to the reference (logged)."""
+    build cannot, the backend keeps dense prefill below the dense threshold (logged)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0": one check
+        device = torch.device("cuda", torch.cuda.current_device())
     key = str(device)
-    if key not in _FLASH_OK:
+    if key not in _FLASH_PROBLEM:
+        problem: str | None = None
         try:
             gen = torch.Generator(device="cpu").manual_seed(0)
             # device="cpu": vLLM builds models under a CUDA default device
@@ -205,18 +210,19 @@ def flash_attention_works(device: torch.device) -> bool:
             got = _flash_dense(req, q, 0.125)
             k, v = req.contiguous()
             want = ref.dense_attention(q, k, v, torch.arange(70, 90, device=device), 0.125)
-            _FLASH_OK[key] = bool(torch.allclose(got.float(), want.float(), atol=2e-2))
+            if not torch.allclose(got.float(), want.float(), atol=2e-2):
+                problem = "its output differs from the reference"
         except Exception as e:  # noqa: BLE001 - any failure means: do not use it
-            _FLASH_OK[key] = False
-            _FLASH_OK[key + ":error"] = f"{type(e).__name__}: {e}"[:300]  # type: ignore[assignment]
-        if not _FLASH_OK[key]:
+            problem = f"{type(e).__name__}: {e}"[:300]
+        _FLASH_PROBLEM[key] = problem
+        if problem is not None:
             import logging
 
             logging.getLogger("vllm.vllm_infinitehip").warning(
-                "vLLM's FlashAttention did not match the reference on this cache layout (%s); "
-                "dense prefill stays below the dense threshold", _FLASH_OK.get(key + ":error", "mismatch"),
+                "vLLM's FlashAttention cannot serve this cache layout (%s); dense prefill stays "
+                "below the dense threshold", problem,
             )  # fmt: skip
-    return _FLASH_OK[key]
+    return _FLASH_PROBLEM[key] is None
 
 
 def ops_for(device: torch.device, precision: str = "fp32") -> AttentionOps:

@@ -381,8 +381,7 @@ def top_chunks(
 
 
 def decode_queries(
-    q: torch.Tensor, seq_lens: torch.Tensor, params: ref.PruneParams, scale: float,
-    placement: QueryPlacement | None,
+    q: torch.Tensor, seq_lens: torch.Tensor, scale: float, placement: QueryPlacement | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The scaled fp32 decode queries the pruning stages score with, and the right-branch ones
     of the relative RoPE style (§2); no host sync."""
@@ -447,14 +446,14 @@ def refresh_masks(
     ``q`` is ``[B, H_q, D]`` (the decode queries, unscaled, rotated at their true positions);
     ``scores[i]`` is stage ``i``'s scratch, ``[>= B, >= W_i]`` float32 at -inf (left so).
     Launches ``2 * n_stages`` kernels whatever the levels; no host sync, graph-capturable once
-    the RoPE tables are built (:meth:`QueryPlacement.for_params`).
+    the RoPE tables and ``placement`` are built (:meth:`QueryPlacement.build`).
     """
     batch, hq, d = q.shape
     if batch == 0:
         return
     hkv = kv_cache.shape[3]
     page_size = kv_cache.shape[2]
-    q_left, q_right = decode_queries(q, rows.seq_lens, params, scale, placement)
+    q_left, q_right = decode_queries(q, rows.seq_lens, scale, placement)
     if placement is not None:
         check_layout(placement.table, d)
         capacity = rows.block_table.shape[1] * page_size

@@ -129,6 +129,8 @@ class StepPlan:
     slots: DecodeSlots
     masks: dict[str, dec.DecodeMasks]
     scratch: DecodeScratch
+    # longest context whose prefill chunks run dense (:func:`prefill_threshold`)
+    prefill_threshold: int
     counters: StepCounters = field(default_factory=StepCounters)
 
 
@@ -168,7 +170,6 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         self.block_size = kv_cache_spec.block_size
         self.threshold = self.config.effective_dense_threshold
         trained, extension = trained_and_extension(self.config, vllm_config.model_config)
-        self.prefill_threshold = prefill_threshold(self.config, device, extension, trained)
         max_rows = vllm_config.scheduler_config.max_num_seqs
         max_len = vllm_config.model_config.max_model_len
         params = {name: layer_prune_params(self.config, _layer_index(name)) for name in layer_names}
@@ -194,6 +195,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         self.plan = StepPlan(
             DecodeSlots(max_rows, len(self.config.stages), device), masks,
             DecodeScratch(scores, workspace),
+            prefill_threshold(self.config, device, extension, trained),
         )  # fmt: skip
         i32 = dict(dtype=torch.int32, device=device)
         # persistent per-row buffers: what a captured graph reads is rewritten each step
@@ -235,7 +237,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             counters.sparse_decode_queries += n_sparse
             counters.dense_queries += int((dec_lens > 0).sum()) - n_sparse
             for i in range(num_decodes, n):
-                if seq_lens_host[i] <= self.prefill_threshold:
+                if seq_lens_host[i] <= self.plan.prefill_threshold:
                     counters.dense_queries += int(query_lens[i])
                 else:
                     counters.sparse_prefill_queries += int(query_lens[i])
@@ -383,9 +385,6 @@ class InfiniteHiPImpl(AttentionImpl):
         # capture: (attended, context) pairs of this layer's sparse queries, and the RoPE
         # tables and fixed query turns of both pruning styles a layer may use.
         device = _current_device(vllm_config)
-        self.prefill_threshold = prefill_threshold(
-            self.config, device, self.rope_extension, self.trained_context
-        )
         self.pairs = torch.zeros(2, dtype=torch.int64, device=device)
         self._placements: dict[str, object] = {}
         if self._rope_table is not None and device.type == "cuda":
@@ -394,7 +393,7 @@ class InfiniteHiPImpl(AttentionImpl):
 
             bound = 4 * self.max_model_len + (1 << 16)
             delta_tables(self._rope_table, bound, device)
-            scan_window = self.config.window_tokens - self.config.stages[0].chunk_size
+            scan_window = layer_prune_params(self.config, 0).scan_window
             for style in ("relative", "chunk-indexed"):
                 self._placements[style] = triton_decode.QueryPlacement.build(
                     style, self._rope_table, scan_window, device
@@ -404,11 +403,13 @@ class InfiniteHiPImpl(AttentionImpl):
         self._tail_params: ref.PruneParams | None = None
         self._layer_name: str | None = None
         self._scratch: DecodeScratch | None = None
+        self._ops: AttentionOps | None = None
 
     # ---------------------------------------------------------------- once per layer
-    def _setup(self, layer: AttentionLayer, plan: StepPlan) -> None:
-        """This layer's parameters, on its first forward (host work only)."""
+    def _setup(self, layer: AttentionLayer, plan: StepPlan, device: torch.device) -> None:
+        """This layer's parameters and ops, on its first forward (host work only)."""
         self._layer_name = layer.layer_name
+        self._ops = ops_for(device, self.config.scoring_precision)
         layer_index = _layer_index(layer.layer_name)
         self._params = layer_prune_params(self.config, layer_index, self._rope_plan(layer_index))
         tail_window = self.config.tail_window(self.trained_context)
@@ -471,10 +472,10 @@ class InfiniteHiPImpl(AttentionImpl):
             return output.fill_(0)
         m = attn_metadata
         if self._params is None:
-            self._setup(layer, m.plan)
+            self._setup(layer, m.plan, query.device)
         out = output[: m.num_actual_tokens].view(-1, self.num_heads, self.head_size)
         q_all = query[: m.num_actual_tokens].view(-1, self.num_heads, self.head_size)
-        ops = ops_for(q_all.device, self.config.scoring_precision)
+        ops = self._ops
         nd = m.num_decodes
         if nd:
             self._decode(ops, q_all[:nd], out[:nd], kv_cache, m)
@@ -508,7 +509,7 @@ class InfiniteHiPImpl(AttentionImpl):
         q = q_all[lo:hi]
         req = RequestKV(kv_cache, m.block_table[i], seq_len)
         positions = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
-        if seq_len <= self.prefill_threshold:
+        if seq_len <= m.plan.prefill_threshold:
             out[lo:hi] = ops.dense(req, q, positions, self.scale)
             return
         o, attended = self._sparse_prefill(ops, req, q, positions)

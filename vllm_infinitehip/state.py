@@ -65,7 +65,7 @@ class DecodeSlots:
         self.step = torch.zeros(num_slots + 1, **i32)
         # decode rows by refresh level, 0..N-1 and N = reuse (entry N + 1: rows with no slot)
         self.level_counts = torch.zeros(n_stages + 2, dtype=torch.int64, device=device)
-        self._slot_ids = torch.arange(num_slots, **i32)
+        self._slot_ids = torch.arange(num_slots, dtype=torch.int64, device=device)
 
     def live(self) -> int:
         """Slots owned now (a host read: for tests and metrics, not the step)."""
@@ -109,7 +109,7 @@ class DecodeSlots:
         free = ~used
         free_list = torch.full((n_slots + 1,), -1, dtype=torch.int64, device=device)
         free_rank = torch.where(free, torch.cumsum(free, 0) - 1, n_slots)
-        free_list = free_list.scatter(0, free_rank, self._slot_ids.to(torch.int64))
+        free_list = free_list.scatter(0, free_rank, self._slot_ids)
         new = sparse & ~kept
         new_rank = (torch.cumsum(new, 0) - 1).clamp(0, n_slots)
         slots = torch.where(kept, claimed, torch.where(new, free_list[new_rank], -1))
