@@ -82,6 +82,19 @@ def gpu_busy_share(prof) -> float:
     return busy
 
 
+def kernel_table(prof, steps: int, top: int = 16) -> dict[str, float]:
+    """GPU µs per decode step of each kernel (kernels inside CUDA graphs included), largest first:
+    what explains a row's decode time."""
+    totals: dict[str, float] = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA":
+            totals[e.name] = totals.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])
+    table = {name[:80]: round(us / steps, 1) for name, us in ranked[:top]}
+    table["(all kernels)"] = round(sum(totals.values()) / steps, 1)
+    return table
+
+
 def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], max_len: int,
                budget_s: float) -> list[dict]:  # fmt: skip
     import torch
@@ -122,11 +135,14 @@ def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], ma
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             call([prompt], 33)
         host_share = max(0.0, 1.0 - gpu_busy_share(prof) / (t33 * 1e6))
+        kernels = kernel_table(prof, steps=32)
+        print(f"[e2e] {name} {ctx}: GPU us per decode step by kernel: {kernels}", flush=True)
         base = dict(context=ctx, backend=backend, preset=preset, rope_extension=ext,
                     engine=name, init_s=round(init_s, 1))  # fmt: skip
         rows.append({**base, "batch": 1, "prefill_s": round(prefill, 3),
                      "ttft_s": round(ttft, 3), "decode_tok_s": round(decode, 1),
-                     "host_share": round(host_share, 3)})  # fmt: skip
+                     "host_share": round(host_share, 3),
+                     "kernel_us_per_step": kernels})  # fmt: skip
         print(f"[e2e] {rows[-1]}", flush=True)
         if ctx in batch8:
             prompts = [prompt[:-64] + random_prompt(64, 10 * ctx + i) for i in range(8)]
