@@ -84,6 +84,17 @@ def bench(fn, graph: bool = True, warmup: int = 3, reps: int = 20) -> tuple[floa
     return times[len(times) // 2], captured
 
 
+LAYERS = 32
+
+
+def bench_in_model(fn) -> float:
+    """Median µs of one call among ``LAYERS`` back-to-back calls in one CUDA graph, as a decode
+    step's layers run: no graph-launch latency in it (the one layer's KV stays warmer in L2 than
+    32 layers' would)."""
+    us, _ = bench(lambda: [fn() for _ in range(LAYERS)])
+    return us / LAYERS
+
+
 def copy_bandwidth() -> float:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -192,6 +203,17 @@ def run_context(t: int, cfg: InfiniteHiPConfig, bw: float,
         level_us[level], graphs[level] = bench(decode_step)
     reuse_us = level_us.pop(n_stages)
     attend_us, _ = bench(attend)
+    # per layer inside a step's graph: the reuse step, and attention alone at each split count
+    rows.levels.fill_(n_stages)
+    row["decode_us_reuse_in_graph"] = bench_in_model(decode_step)
+    row["decode_us_attend_in_graph_by_splits"] = {
+        str(n): bench_in_model(lambda n=n: sparse_decode_attention(
+            q, kv, btab, seq_lens, masks.final, masks.final_counts(),
+            block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
+            window_tokens=params.window_tokens, scale=scale, row_slots=rows.slots,
+            num_splits=n))
+        for n in (8, 16, 32, 48, 64)
+    }  # fmt: skip
     rows.levels.fill_(0)
     decode_step()
     sel = masks.prune_result(0)
@@ -448,6 +470,7 @@ def print_table(result: dict) -> None:
               ("xf-splitk", "decode_us_xformers_splitk", 9, ".1f"),
               ("refresh µs", "decode_us_refresh", 10, ".1f"),
               ("reuse µs", "decode_us_reuse", 9, ".1f"),
+              ("in-graph", "decode_us_reuse_in_graph", 9, ".1f"),
               ("amort µs", "decode_us_amortized", 9, ".1f"),
               ("×dense", "decode_speedup_vs_dense_amortized", 7, ".2f"),
               ("×fa3", "decode_speedup_vs_fa3_amortized", 7, ".2f"),
@@ -469,6 +492,10 @@ def print_table(result: dict) -> None:
         for r in rows:
             print(" ".join(_cell(r, key, w, fmt) for _, key, w, fmt in cols))
     for r in rows:
+        by_splits = r.get("decode_us_attend_in_graph_by_splits")
+        if by_splits:
+            cells = ", ".join(f"{n}: {us:.1f}" for n, us in by_splits.items())
+            print(f"{r['context']:>8} attention µs per layer in a graph, by split count: {cells}")
         for key in sorted(k for k in r if k.endswith("_error")):
             print(f"{r['context']:>8} {key}: {r[key][:300]}")
         if r.get("xformers_ops"):

@@ -137,6 +137,7 @@ def _decode_select_kernel(
     rope_lo_ptr,
     rope_bias,
     rope_n_hi,
+    q_scale,
     head_dim,
     sink_tokens,
     scan_window,
@@ -218,6 +219,7 @@ def _decode_select_kernel(
         head = head_block * HEADS + g
         q_row = b.to(tl.int64) * stride_qb + head * stride_qh
         q = tl.load(q_ptr + q_row + offs_d * stride_qd, mask=d_in, other=0.0).to(tl.float32)
+        q = q * q_scale
         if ROPE_STYLE == 1:
             q_r = tl.load(q_right_ptr + q_row + offs_d * stride_qd, mask=d_in, other=0.0)
             q_r = q_r.to(tl.float32)
@@ -381,15 +383,13 @@ def top_chunks(
 
 
 def decode_queries(
-    q: torch.Tensor, seq_lens: torch.Tensor, scale: float, placement: QueryPlacement | None
+    q: torch.Tensor, seq_lens: torch.Tensor, scale: float, placement: QueryPlacement
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The scaled fp32 decode queries the pruning stages score with, and the right-branch ones
-    of the relative RoPE style (§2); no host sync."""
-    qs = q.float() * scale
-    if placement is None:
-        return qs, None
+    """The scaled fp32 decode queries the pruning stages score with when they are placed by a
+    RoPE style, and the right-branch ones of the relative style (§2); no host sync."""
     from .rope import apply_rotation, rotate
 
+    qs = q.float() * scale
     # un-rotate from the true position, then place where the style says (as run_stages does)
     qs = rotate(qs, -(seq_lens.long() - 1), placement.table)
     if placement.style == ROPE_CHUNK_INDEXED:
@@ -453,8 +453,9 @@ def refresh_masks(
         return
     hkv = kv_cache.shape[3]
     page_size = kv_cache.shape[2]
-    q_left, q_right = decode_queries(q, rows.seq_lens, scale, placement)
     if placement is not None:
+        q_left, q_right = decode_queries(q, rows.seq_lens, scale, placement)
+        q_scale = 1.0  # already scaled
         check_layout(placement.table, d)
         capacity = rows.block_table.shape[1] * page_size
         tables = delta_tables(placement.table, 2 * capacity + scores[0].shape[1] + 1, q.device)
@@ -462,6 +463,8 @@ def refresh_masks(
         rope_meta = dict(ROPE_STYLE=placement.style, ROT_DIM=placement.table.rotary_dim,
                          IS_NEOX=placement.table.is_neox)  # fmt: skip
     else:
+        # the kernel scales the queries as it loads them: no conversion launches per layer
+        q_left, q_right, q_scale = q, None, scale
         rope_args = (q_left, q_left, 0, 1)
         rope_meta = dict(ROPE_STYLE=ROPE_NONE, ROT_DIM=0, IS_NEOX=True)
     block_d = max(16, triton.next_power_of_2(d))
@@ -473,7 +476,7 @@ def refresh_masks(
         _decode_select_kernel[(batch, triton.cdiv(width, block_chunk), hq // heads)](
             q_left, q_left if q_right is None else q_right, kv_cache, rows.block_table,
             rows.seq_lens, rows.slots, rows.levels, cand, masks.counts, masks.widths, scores[i],
-            *rope_args, d, params.sink_tokens, params.scan_window,
+            *rope_args, q_scale, d, params.sink_tokens, params.scan_window,
             *q_left.stride(), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
             kv_cache.stride(4), *rows.block_table.stride(), cand.stride(0), cand.stride(1),
             masks.counts.stride(0), scores[i].stride(0),
