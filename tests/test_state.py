@@ -32,15 +32,13 @@ def table(rows: list[list[int]]) -> torch.Tensor:
     return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
 
 
-def step(slots: DecodeSlots, rows, seq_lens, sparse=None):
-    sparse = torch.tensor(sparse if sparse is not None else [True] * len(rows))
-    s, lv = slots.assign(table(rows), torch.tensor(seq_lens, dtype=torch.int32), sparse, 16,
-                         INTERVALS)  # fmt: skip
+def step(slots: DecodeSlots, rows, seq_lens, threshold=0):
+    s, lv = slots.assign(table(rows), torch.tensor(seq_lens, dtype=torch.int32), threshold, 16)
     return s.tolist(), lv.tolist()
 
 
 def test_slots_follow_requests_and_free_the_ones_that_left():
-    slots = DecodeSlots(4, 3, torch.device("cpu"))
+    slots = DecodeSlots(4, INTERVALS, torch.device("cpu"))
     a = [5, 6, 7]  # request A: 40 tokens -> 3 blocks
     b = [9, 10]  # request B: 20 tokens
     s0, lv0 = step(slots, [a, b], [40, 20])
@@ -56,7 +54,7 @@ def test_slots_follow_requests_and_free_the_ones_that_left():
     s4, lv4 = step(slots, [a + [8], [9, 10]], [50, 30])
     assert lv4 == [0, 0] and slots.live() == 2
     # a step without sparse rows keeps nothing
-    step(slots, [a + [8]], [51], sparse=[False])
+    step(slots, [a + [8]], [51], threshold=100)
     assert slots.live() == 0
     # levels are counted once per row and step: 4 + 2 + 2 + 1 + 2 rows had slots
     counts = slots.level_counts.tolist()
@@ -64,7 +62,7 @@ def test_slots_follow_requests_and_free_the_ones_that_left():
 
 
 def test_a_block_crossing_keeps_the_slot():
-    slots = DecodeSlots(2, 3, torch.device("cpu"))
+    slots = DecodeSlots(2, INTERVALS, torch.device("cpu"))
     s0, _ = step(slots, [[3]], [16])  # position 15 is the last of block 3
     s1, lv = step(slots, [[3, 4]], [17])  # previous token in block 3, this one in block 4
     assert s1 == s0 and lv == [3]
@@ -75,13 +73,16 @@ def test_a_block_crossing_keeps_the_slot():
 def test_rows_claiming_one_slot_get_separate_ones():
     """Two rows whose previous token sits in one shared block at one length: the earlier row
     keeps the slot, the other starts afresh (prefix caching can share a full block)."""
-    slots = DecodeSlots(4, 3, torch.device("cpu"))
+    slots = DecodeSlots(4, INTERVALS, torch.device("cpu"))
     s0, _ = step(slots, [[1, 2]], [20])
     s1, lv = step(slots, [[1, 2], [1, 2]], [21, 21])
     assert s1[0] == s0[0] and s1[1] != s0[0] and lv == [3, 0]
 
 
 def test_more_rows_than_slots_leaves_the_rest_dense():
-    slots = DecodeSlots(1, 3, torch.device("cpu"))
+    slots = DecodeSlots(1, INTERVALS, torch.device("cpu"))
     s0, lv = step(slots, [[1], [2]], [10, 10])
     assert s0 == [0, -1] and lv == [0, -1]
+    # with the only slot kept, a newcomer must not get it too (its mask would overwrite)
+    s1, lv1 = step(slots, [[1], [2], [3]], [11, 10, 10])
+    assert s1 == [0, -1, -1] and lv1 == [3, -1, -1]

@@ -193,7 +193,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             )  # fmt: skip
             workspace = torch.empty(n, dtype=torch.float32, device=device)
         self.plan = StepPlan(
-            DecodeSlots(max_rows, len(self.config.stages), device), masks,
+            DecodeSlots(max_rows, self.config.refresh_intervals, device), masks,
             DecodeScratch(scores, workspace),
             prefill_threshold(self.config, device, extension, trained),
         )  # fmt: skip
@@ -247,13 +247,10 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         if num_decodes:
             seq_lens = m.seq_lens[:num_decodes]
             block_table = m.block_table_tensor[:num_decodes]
-            row_slots, row_levels = slots.assign(
-                block_table, seq_lens, seq_lens > self.threshold, self.block_size,
-                self.config.refresh_intervals,
+            slots.assign(
+                block_table, seq_lens, self.threshold, self.block_size,
+                out=(self._row_slots, self._row_levels, self._row_seq_lens),
             )  # fmt: skip
-            self._row_slots[:num_decodes].copy_(row_slots)
-            self._row_levels[:num_decodes].copy_(row_levels)
-            self._row_seq_lens[:num_decodes].copy_(seq_lens)
             decode = dec.DecodeRows(
                 block_table, self._row_seq_lens[:num_decodes], self._row_slots[:num_decodes],
                 self._row_levels[:num_decodes],

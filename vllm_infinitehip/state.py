@@ -3,8 +3,8 @@
 The attention builder sees batches, not request ids, and must not read the block table back to
 the host. A running request is recognised by the block that held its previous token: that block
 was being written at the previous step, so that request owned it alone, and ``(block, length)``
-identifies it from one step to the next. :meth:`DecodeSlots.assign` does the matching with a few
-device ops, no host sync:
+identifies it from one step to the next. :meth:`DecodeSlots.assign` does the matching on the
+device, no host sync (one Triton launch on CUDA):
 
 - a decode row whose previous-token block and length ``seq_len - 1`` match a slot keeps it and
   advances its decode step;
@@ -56,9 +56,10 @@ class DecodeSlots:
     slot land, so no op needs a data-dependent shape.
     """
 
-    def __init__(self, num_slots: int, n_stages: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, intervals: tuple[int, ...], device: torch.device) -> None:
         self.num_slots = num_slots
-        self.n_stages = n_stages
+        self.intervals = tuple(intervals)
+        self.n_stages = n_stages = len(self.intervals)
         i32 = dict(dtype=torch.int32, device=device)
         self.key_block = torch.full((num_slots + 1,), -1, **i32)
         self.seq_len = torch.zeros(num_slots + 1, **i32)
@@ -66,6 +67,8 @@ class DecodeSlots:
         # decode rows by refresh level, 0..N-1 and N = reuse (entry N + 1: rows with no slot)
         self.level_counts = torch.zeros(n_stages + 2, dtype=torch.int64, device=device)
         self._slot_ids = torch.arange(num_slots, dtype=torch.int64, device=device)
+        # made here, not in a step: nothing is copied from the host while graphs are captured
+        self._intervals_dev = torch.tensor(self.intervals, **i32)
 
     def live(self) -> int:
         """Slots owned now (a host read: for tests and metrics, not the step)."""
@@ -75,16 +78,48 @@ class DecodeSlots:
         self,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
-        sparse: torch.Tensor,
+        threshold: int,
         block_size: int,
-        intervals: tuple[int, ...],
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots and refresh levels of this step's decode rows; frees every slot not kept.
 
-        ``block_table`` ``[B, P]``, ``seq_lens`` ``[B]`` and ``sparse`` ``[B]`` bool (rows that
-        decode sparsely) are device tensors. Returns int32 ``slots`` (-1: no slot) and
-        ``levels`` (``LEVEL_NONE`` for rows without a slot).
+        ``block_table`` ``[B, P]`` and ``seq_lens`` ``[B]`` (int32) are device tensors; rows
+        longer than ``threshold`` decode sparsely and get slots. Returns int32 ``slots`` (-1: no
+        slot) and ``levels`` (``LEVEL_NONE`` for rows without a slot). ``out``: int32 buffers
+        ``(slots, levels, seq_lens)`` of at least ``B`` entries that receive the rows' slots,
+        levels and lengths (the builder's persistent per-row buffers, which captured graphs
+        read); the returned tensors are then views of them. On CUDA this is one Triton launch
+        (:mod:`kernels.triton_slots`); elsewhere the PyTorch ops below, its spec.
         """
+        batch = seq_lens.shape[0]
+        if out is None:
+            out = tuple(torch.empty(batch, dtype=torch.int32, device=seq_lens.device)
+                        for _ in range(3))  # fmt: skip
+        out_slots, out_levels, out_seq_lens = (o[:batch] for o in out)
+        if seq_lens.is_cuda:
+            from vllm_infinitehip.kernels.triton_slots import assign_slots
+
+            assign_slots(
+                block_table, seq_lens, threshold, block_size, self.key_block, self.seq_len,
+                self.step, self._intervals_dev, self.level_counts, out_slots,
+                out_levels, out_seq_lens,
+            )  # fmt: skip
+            return out_slots, out_levels
+        slots, levels = self._assign_reference(block_table, seq_lens, seq_lens > threshold,
+                                               block_size)  # fmt: skip
+        out_slots.copy_(slots)
+        out_levels.copy_(levels)
+        out_seq_lens.copy_(seq_lens)
+        return out_slots, out_levels
+
+    def _assign_reference(
+        self,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        sparse: torch.Tensor,
+        block_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n_slots = self.num_slots
         batch = seq_lens.shape[0]
         device = seq_lens.device
@@ -109,7 +144,8 @@ class DecodeSlots:
         free = ~used
         free_list = torch.full((n_slots + 1,), -1, dtype=torch.int64, device=device)
         free_rank = torch.where(free, torch.cumsum(free, 0) - 1, n_slots)
-        free_list = free_list.scatter(0, free_rank, self._slot_ids)
+        # unfree slots land on the spare entry with -1, which overflowing new rows then read
+        free_list = free_list.scatter(0, free_rank, torch.where(free, self._slot_ids, -1))
         new = sparse & ~kept
         new_rank = (torch.cumsum(new, 0) - 1).clamp(0, n_slots)
         slots = torch.where(kept, claimed, torch.where(new, free_list[new_rank], -1))
@@ -121,7 +157,7 @@ class DecodeSlots:
         self.seq_len.scatter_(0, at, seq_lens.to(torch.int32))
         self.step.scatter_(0, at, steps)
         self.key_block[n_slots] = -1
-        levels = torch.where(slots >= 0, refresh_levels(steps, intervals), LEVEL_NONE)
+        levels = torch.where(slots >= 0, refresh_levels(steps, self.intervals), LEVEL_NONE)
         bins = torch.where(levels >= 0, levels, self.n_stages + 1).to(torch.int64)
         self.level_counts.index_add_(0, bins, torch.ones_like(bins))
         return slots.to(torch.int32), levels.to(torch.int32)
