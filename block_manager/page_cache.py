@@ -1,0 +1,140 @@
+"""The GPU cache of the host KV tier: which host pages each layer keeps in a device bank, and LRU.
+
+The host holds every page (the capacity tier); the bank holds copies of the hot ones. A kernel
+reads a page from the bank when the layer's residency table has a slot for it, and from the host
+view otherwise, so what is resident changes only where bytes are read from, never the bytes. Writes
+go to the host, and to the bank where the page is resident (:meth:`PageCache.write_slots`).
+
+All state lives in device tensors and every update has a fixed shape (padding entries are -1 and
+land on a spare table entry / spare slot), so a step plans promotions with no host sync:
+
+- ``table[layer, page]``: the slot holding ``page``, or -1;
+- ``owner[layer, slot]``: the page in ``slot``, or -1 (empty);
+- ``stamp[layer, slot]``: the clock at the slot's last use; empty slots are -1, so they fill first.
+
+:meth:`PageCache.promote` is what a refresh step runs for the pages its new masks read: pages
+already resident are hits and get the new stamp; each missing page (in ascending page order) takes
+the least recently used slot that no page of the same call uses (ties: the lower slot), so the
+pages a step asks for, sink and window included, never evict each other. Misses beyond the bank
+stay on the host and are read there. The caller copies the returned ``(pages, slots)`` pairs from
+host to bank. Reuse steps do not call it, as in the paper: between refreshes every read hits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_NEVER = torch.iinfo(torch.int64).max  # the sort key of a slot a call must not evict
+
+
+@dataclass
+class Promotion:
+    """What one :meth:`PageCache.promote` call decided, as fixed-shape device tensors of the
+    request's length ``N``: the fills to copy (``fill_pages[i] -> fill_slots[i]``, -1 where
+    entry ``i`` fills nothing), and the hit and miss counts over the call's distinct pages."""
+
+    fill_pages: torch.Tensor
+    fill_slots: torch.Tensor
+    hits: torch.Tensor
+    misses: torch.Tensor
+
+
+class PageCache:
+    """Residency, ownership and LRU stamps of a bank of ``num_slots`` pages per layer."""
+
+    def __init__(self, layers: int, num_pages: int, num_slots: int, device: torch.device) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a page cache needs at least one slot, got {num_slots}")
+        self.layers, self.num_pages, self.num_slots = layers, num_pages, num_slots
+        i32 = dict(dtype=torch.int32, device=device)
+        # one spare table entry (index num_pages) and one spare slot (index num_slots) take the
+        # scatters of padding entries
+        self.table = torch.full((layers, num_pages + 1), -1, **i32)
+        self.owner = torch.full((layers, num_slots + 1), -1, **i32)
+        self.stamp = torch.full((layers, num_slots + 1), -1, dtype=torch.int64, device=device)
+        self.clock = torch.zeros((), dtype=torch.int64, device=device)
+        self.hits = torch.zeros(layers, dtype=torch.int64, device=device)
+        self.misses = torch.zeros(layers, dtype=torch.int64, device=device)
+
+    # ------------------------------------------------------------------ reads and writes
+    def slots_of(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """The slot of each page (-1: read it from the host); ``pages`` -1 gives -1."""
+        return self.table[layer, torch.where(pages >= 0, pages, self.num_pages).long()]
+
+    def write_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        """``[layers, N]``: where a write to ``pages`` must also go in each layer's bank (-1:
+        host only). Writes always go to the host first: the bank is write-through."""
+        idx = torch.where(pages >= 0, pages, self.num_pages).long()
+        return self.table[:, idx]
+
+    def invalidate(self, pages: torch.Tensor) -> None:
+        """Forget ``pages`` in every layer (vLLM handed these block ids to new content, or copied
+        into them): their slots become empty and are the first to refill."""
+        idx = torch.where(pages >= 0, pages, self.num_pages).long()
+        slots = self.table[:, idx].long()  # [layers, N]
+        at = torch.where(slots >= 0, slots, self.num_slots)
+        self.owner.scatter_(1, at, -1)
+        self.stamp.scatter_(1, at, -1)
+        self.table[:, idx] = -1
+        self._reset_spares()
+
+    # ------------------------------------------------------------------ promotion
+    def promote(self, layer: int, pages: torch.Tensor) -> Promotion:
+        """Make ``pages`` (int ``[N]``, -1 padding, repeats allowed) resident in ``layer`` as far
+        as the bank allows, evicting least recently used slots that this call does not use.
+        Updates the table, owners, stamps and counters; returns the fills to copy."""
+        n_slots = self.num_slots
+        self.clock += 1
+        now = self.clock
+        pages = pages.long()
+        n = pages.shape[0]
+        # distinct requested pages, ascending (padding sorts last as a huge key and is dropped)
+        key = torch.where(pages >= 0, pages, _NEVER)
+        sorted_pages, _ = torch.sort(key)
+        first = torch.ones(n, dtype=torch.bool, device=pages.device)
+        first[1:] = sorted_pages[1:] != sorted_pages[:-1]
+        wanted = first & (sorted_pages != _NEVER)
+        page_idx = torch.where(wanted, sorted_pages, self.num_pages)
+        slot = self.table[layer, page_idx].long()
+        hit = wanted & (slot >= 0)
+        miss = wanted & (slot < 0)
+        # hits: refresh their stamps; they and every empty-or-old slot not used here are victims
+        stamp = self.stamp[layer]
+        stamp.scatter_(0, torch.where(hit, slot, n_slots), now.expand(n))
+        used = torch.zeros(n_slots + 1, dtype=torch.bool, device=pages.device)
+        used.scatter_(0, torch.where(hit, slot, n_slots), True)
+        order_key = torch.where(used[:n_slots], _NEVER, stamp[:n_slots])
+        # stable: equal stamps (e.g. empty slots) go in slot order
+        victims = torch.sort(order_key, stable=True).indices
+        free = order_key[victims] != _NEVER
+        # the r-th miss (ascending page order) takes the r-th victim, while victims last
+        rank = (torch.cumsum(miss, 0) - 1).clamp(0, n_slots - 1)
+        victim = victims[rank]
+        take = miss & free[rank] & (torch.cumsum(miss, 0) <= n_slots)
+        fill_slot = torch.where(take, victim, n_slots)
+        fill_page = torch.where(take, sorted_pages, self.num_pages)
+        # the evicted pages leave the table, then the new ones enter
+        old = self.owner[layer, fill_slot].long()
+        self.table[layer].scatter_(0, torch.where(take & (old >= 0), old, self.num_pages), -1)
+        self.table[layer].scatter_(0, fill_page, fill_slot.to(torch.int32))
+        self.owner[layer].scatter_(0, fill_slot, fill_page.to(torch.int32))
+        stamp.scatter_(0, fill_slot, now.expand(n))
+        self._reset_spares()
+        n_hits, n_misses = hit.sum(), miss.sum()
+        self.hits[layer] += n_hits
+        self.misses[layer] += n_misses
+        return Promotion(
+            torch.where(take, sorted_pages, -1), torch.where(take, victim, -1), n_hits, n_misses
+        )
+
+    def _reset_spares(self) -> None:
+        self.table[:, self.num_pages] = -1
+        self.owner[:, self.num_slots] = -1
+        self.stamp[:, self.num_slots] = -1
+
+    # ------------------------------------------------------------------ introspection
+    def occupancy(self) -> torch.Tensor:
+        """Filled slots per layer (a device tensor)."""
+        return (self.owner[:, : self.num_slots] >= 0).sum(dim=1)
