@@ -55,6 +55,48 @@ def _tanh(x):
 
 
 @triton.jit
+def _kv_rows(
+    kv_ptr,
+    bt_row_ptr,
+    stride_btp,
+    t,
+    ok,
+    kv_head,
+    stride_page,
+    stride_tok,
+    stride_head,
+    bank_ptr,
+    table_ptr,
+    stride_slot,
+    PAGE_SIZE: tl.constexpr,
+    HAS_BANK: tl.constexpr,
+):
+    """Pointers to the K rows of tokens ``t`` of one request and KV head; a row's V is at
+    ``+ stride_kv``. With ``HAS_BANK`` a page whose residency-table entry holds a slot is read
+    from that slot of the bank (a GPU copy of host pages, same layout within a page), any other
+    from the cache itself: the arithmetic after the load is the same either way."""
+    t = tl.where(ok, t, 0)
+    page = tl.load(bt_row_ptr + (t // PAGE_SIZE) * stride_btp, mask=ok, other=0).to(tl.int64)
+    # int64: page * stride_page overflows int32 for caches of a few GiB.
+    in_page = (t % PAGE_SIZE).to(tl.int64) * stride_tok + kv_head * stride_head
+    rows = kv_ptr + page * stride_page + in_page
+    if HAS_BANK:
+        slot = tl.load(table_ptr + page, mask=ok, other=-1).to(tl.int64)
+        rows = tl.where(slot >= 0, bank_ptr + slot * stride_slot + in_page, rows)
+    return rows
+
+
+@triton.jit
+def _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d):
+    """K and V ``[BLOCK_N, BLOCK_D]`` at ``rows`` (:func:`_kv_rows`); zeros where ``~ok``."""
+    ptrs = rows[:, None] + offs_d[None, :] * stride_d
+    mask = ok[:, None] & d_ok[None, :]
+    k = tl.load(ptrs, mask=mask, other=0.0)
+    v = tl.load(ptrs + stride_kv, mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _load_kv(
     kv_ptr,
     bt_row_ptr,
@@ -72,26 +114,18 @@ def _load_kv(
     PAGE_SIZE: tl.constexpr,
 ):
     """K and V rows ``[BLOCK_N, BLOCK_D]`` of tokens ``t`` of one request; zeros where ``~ok``."""
-    t = tl.where(ok, t, 0)
-    page = tl.load(bt_row_ptr + (t // PAGE_SIZE) * stride_btp, mask=ok, other=0).to(tl.int64)
-    # int64: page * stride_page overflows int32 for caches of a few GiB.
-    row = page * stride_page + (t % PAGE_SIZE).to(tl.int64) * stride_tok + kv_head * stride_head
-    ptrs = kv_ptr + row[:, None] + offs_d[None, :] * stride_d
-    mask = ok[:, None] & d_ok[None, :]
-    k = tl.load(ptrs, mask=mask, other=0.0)
-    v = tl.load(ptrs + stride_kv, mask=mask, other=0.0)
-    return k, v
+    rows = _kv_rows(
+        kv_ptr, bt_row_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
+        kv_ptr, bt_row_ptr, 0, PAGE_SIZE, False,
+    )  # fmt: skip
+    return _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d)
 
 
 @triton.jit
 def _rotate_keys(
     k,
-    kv_ptr,
-    bt_row_ptr,
-    stride_btp,
-    t,
+    rows,
     ok,
-    kv_head,
     d_ok,
     delta,
     partner,
@@ -102,24 +136,18 @@ def _rotate_keys(
     rope_lo_ptr,
     rope_bias,
     rope_n_hi,
-    stride_page,
-    stride_tok,
-    stride_head,
     stride_d,
-    PAGE_SIZE: tl.constexpr,
     HALF: tl.constexpr,
     LO_BITS: tl.constexpr,
 ):
-    """Keys ``k`` (as loaded by :func:`_load_kv`) rotated by ``delta`` each, in k's dtype.
+    """Keys ``k`` (loaded from ``rows``, :func:`_kv_rows`) rotated by ``delta`` each, in k's
+    dtype.
 
     The pair partners are a second load of the same rows. The result is rounded back to the
     cache dtype, as the reference rotates a key in float32 and returns the cache's dtype.
     """
-    t = tl.where(ok, t, 0)
-    page = tl.load(bt_row_ptr + (t // PAGE_SIZE) * stride_btp, mask=ok, other=0).to(tl.int64)
-    row = page * stride_page + (t % PAGE_SIZE).to(tl.int64) * stride_tok + kv_head * stride_head
     k_pair = tl.load(
-        kv_ptr + row[:, None] + partner[None, :] * stride_d,
+        rows[:, None] + partner[None, :] * stride_d,
         mask=ok[:, None] & d_ok[None, :],
         other=0.0,
     )
@@ -176,6 +204,9 @@ def _decode_split_kernel(
     part_lse_ptr,
     rope_hi_ptr,
     rope_lo_ptr,
+    bank_ptr,
+    table_ptr,
+    stride_slot,
     stride_qb,
     stride_qh,
     stride_qd,
@@ -198,6 +229,7 @@ def _decode_split_kernel(
     rope_n_hi,
     HAS_SLOTS: tl.constexpr,
     HAS_STATS: tl.constexpr,
+    HAS_BANK: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -300,20 +332,19 @@ def _decode_split_kernel(
             sel_ok = sel & (t_sel >= sink_tokens) & (t_sel < win_lo) & (t_sel >= prev_end)
         t = tl.where(in_sw, t_sw, t_sel)
         ok = tl.where(in_sw, live, sel_ok)
-        k, v = _load_kv(
-            kv_ptr, bt_row, stride_btp, t, ok, kv_head, offs_d, d_ok,
-            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+        rows = _kv_rows(
+            kv_ptr, bt_row, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
+            bank_ptr, table_ptr, stride_slot, PAGE_SIZE, HAS_BANK,
         )  # fmt: skip
+        k, v = _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d)
         if STREAMING:
             far = ok & ((vi < sink_len) | ~in_sw)
             if tl.max(far.to(tl.int32), axis=0) > 0:  # window-only tiles keep true positions
                 slot = tl.where(in_sw, vi, sel_slot0 + vs)
                 delta = tl.where(far, tl.maximum(slot + first, 0) - t, 0)
                 k = _rotate_keys(
-                    k, kv_ptr, bt_row, stride_btp, t, far, kv_head, d_ok, delta,
-                    partner, freq, sign, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
-                    stride_page, stride_tok, stride_head, stride_d, PAGE_SIZE, ROT_DIM // 2,
-                    LO_BITS,
+                    k, rows, far, d_ok, delta, partner, freq, sign, rot, rope_hi_ptr,
+                    rope_lo_ptr, rope_bias, rope_n_hi, stride_d, ROT_DIM // 2, LO_BITS,
                 )  # fmt: skip
         acc, m_i, l_i = _attend(
             q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
@@ -438,15 +469,15 @@ def _prefill_streaming(
         start = tl.load(starts_row + (vi // BLOCK_K) * stride_sk, mask=live, other=0)
         t = start.to(tl.int32) + vi % BLOCK_K
         ok = live & (t >= 0) & (t < win_lo)
-        k, v = _load_kv(
-            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
-            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+        rows = _kv_rows(
+            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
+            kv_ptr, bt_ptr, 0, PAGE_SIZE, False,
         )  # fmt: skip
+        k, v = _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d)
         delta = tl.maximum(sel_slot0 + vi + first, 0) - t
         k = _rotate_keys(
-            k, kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, d_ok, delta,
-            partner, freq, sign, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
-            stride_page, stride_tok, stride_head, stride_d, PAGE_SIZE, ROT_DIM // 2, LO_BITS,
+            k, rows, ok, d_ok, delta, partner, freq, sign, rot, rope_hi_ptr, rope_lo_ptr,
+            rope_bias, rope_n_hi, stride_d, ROT_DIM // 2, LO_BITS,
         )  # fmt: skip
         acc, m_i, l_i = _attend(
             q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
@@ -458,15 +489,15 @@ def _prefill_streaming(
     for t0 in range(0, sink_hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         ok = t < sink_hi
-        k, v = _load_kv(
-            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
-            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+        rows = _kv_rows(
+            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
+            kv_ptr, bt_ptr, 0, PAGE_SIZE, False,
         )  # fmt: skip
+        k, v = _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d)
         delta = tl.maximum(t + first, 0) - t
         k = _rotate_keys(
-            k, kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, d_ok, delta,
-            partner, freq, sign, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
-            stride_page, stride_tok, stride_head, stride_d, PAGE_SIZE, ROT_DIM // 2, LO_BITS,
+            k, rows, ok, d_ok, delta, partner, freq, sign, rot, rope_hi_ptr, rope_lo_ptr,
+            rope_bias, rope_n_hi, stride_d, ROT_DIM // 2, LO_BITS,
         )  # fmt: skip
         acc, m_i, l_i = _attend(
             q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
@@ -684,6 +715,24 @@ def _streaming_args(
     return (tables.hi, tables.lo, tables.bias, tables.n_hi), meta
 
 
+def check_bank(
+    bank: tuple[torch.Tensor, torch.Tensor] | None, kv_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bank's pages and residency table (placeholders without a bank), checked: the kernels
+    address a bank page with the cache's strides within a page."""
+    if bank is None:
+        return kv_cache, kv_cache
+    pages, table = bank
+    if pages.dtype != kv_cache.dtype or pages.stride()[1:] != kv_cache.stride()[1:]:
+        raise ValueError(
+            f"bank pages must have the cache's dtype and page layout: {pages.dtype} "
+            f"{pages.stride()[1:]} vs {kv_cache.dtype} {kv_cache.stride()[1:]}"
+        )
+    if table.dtype != torch.int32 or table.shape[0] < kv_cache.shape[0]:
+        raise ValueError("the residency table is int32 with an entry per cache page")
+    return pages, table
+
+
 def _default_num_splits(max_keys: int, block_n: int) -> int:
     """About ``2 * block_n`` keys per split, at most 32 splits. It does not depend on the batch,
     so a row's result is the same in any batch (and in a graph-padded one)."""
@@ -741,6 +790,7 @@ def sparse_decode_attention(
     row_slots: torch.Tensor | None = None,
     stats: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    bank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Block-sparse attention of one decode query per request; returns ``[B, Hq, D]`` in q's dtype.
 
@@ -769,6 +819,12 @@ def sparse_decode_attention(
     (int64 ``[2]``) accumulates, over the rows with a slot, the keys in their budget (sink,
     window and selected blocks) and their context lengths. ``workspace`` is preallocated
     scratch (:func:`decode_workspace_floats`).
+
+    ``bank = (pages, table)`` reads through the host tier's GPU cache: ``pages`` holds copies of
+    cache pages in the cache's own page layout (``[slots, 2, page, H_kv, D]``), and ``table``
+    (int32, one entry per cache page) the slot holding each page or -1. A page with a slot is
+    read from the bank, any other from ``kv_cache`` (which may be a GPU view of host memory);
+    the result is the same as long as the bank's copies equal the cache's pages.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -787,6 +843,7 @@ def sparse_decode_attention(
         return out
     rope_args, rope_meta = _streaming_args(rope, d, block_table.shape[1] * page_size, q)
     hi_t, lo_t, bias, n_hi = rope_args
+    bank_pages, bank_table = check_bank(bank, kv_cache)
     part_o, part_lse = _decode_workspace(batch, hq, num_splits, d, q.device, workspace)
     qk_scale, cap_log2e, inv_cap_scale = _softmax_consts(scale, logit_soft_cap)
     # tl.dot needs at least 16 rows; the padding rows are masked on load and store.
@@ -794,10 +851,11 @@ def sparse_decode_attention(
     _decode_split_kernel[(batch, hkv, num_splits)](
         q, kv_cache, block_table, seq_lens, block_starts, num_valid_blocks,
         seq_lens if row_slots is None else row_slots, seq_lens if stats is None else stats,
-        part_o, part_lse, hi_t, lo_t, *q.stride(), *kv_cache.stride(),
+        part_o, part_lse, hi_t, lo_t, bank_pages, bank_table, bank_pages.stride(0),
+        *q.stride(), *kv_cache.stride(),
         *block_table.stride(), *block_starts.stride(), num_valid_blocks.stride(0),
         sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale, bias, n_hi,
-        HAS_SLOTS=row_slots is not None, HAS_STATS=stats is not None,
+        HAS_SLOTS=row_slots is not None, HAS_STATS=stats is not None, HAS_BANK=bank is not None,
         NUM_HEADS=hq, GROUP=group, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         USE_SOFT_CAP=logit_soft_cap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from . import reference as ref
 from .decode import DecodeMasks, DecodeRows
+from .triton_bsa import check_bank
 from .triton_rope import (
     LO_BITS,
     check_layout,
@@ -71,21 +72,29 @@ def _probe(
     rope_lo_ptr,
     rope_bias,
     rope_n_hi,
+    bank_head_ptr,
+    table_ptr,
+    stride_slot,
     PAGE_SIZE: tl.constexpr,
     ROPE: tl.constexpr,
     HALF: tl.constexpr,
     LO_BITS: tl.constexpr,
+    HAS_BANK: tl.constexpr,
 ):
-    """q . k (fp32) of one query at each key position in ``pos``, keys turned by ``delta``."""
+    """q . k (fp32) of one query at each key position in ``pos``, keys turned by ``delta``.
+    With ``HAS_BANK``, keys of pages the residency table places in the bank are read there."""
     page = tl.load(bt_row + (pos // PAGE_SIZE) * stride_btp, mask=mask, other=0).to(tl.int64)
     # int64: a large cache spans more than 2**31 elements.
-    row = page * stride_kpage + (pos % PAGE_SIZE).to(tl.int64) * stride_ktok
+    in_page = (pos % PAGE_SIZE).to(tl.int64) * stride_ktok
+    rows = k_head_ptr + page * stride_kpage + in_page
+    if HAS_BANK:
+        slot = tl.load(table_ptr + page, mask=mask, other=-1).to(tl.int64)
+        rows = tl.where(slot >= 0, bank_head_ptr + slot * stride_slot + in_page, rows)
     m2 = mask[:, None] & d_in[None, :]
-    k = tl.load(k_head_ptr + row[:, None] + offs_d[None, :] * stride_kd, mask=m2, other=0.0)
+    k = tl.load(rows[:, None] + offs_d[None, :] * stride_kd, mask=m2, other=0.0)
     k = k.to(tl.float32)
     if ROPE:
-        k_pair = tl.load(k_head_ptr + row[:, None] + partner[None, :] * stride_kd, mask=m2,
-                         other=0.0)  # fmt: skip
+        k_pair = tl.load(rows[:, None] + partner[None, :] * stride_kd, mask=m2, other=0.0)
         cos, sin = delta_cos_sin(
             delta, mask, freq, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, HALF, LO_BITS
         )
@@ -137,6 +146,9 @@ def _decode_select_kernel(
     rope_lo_ptr,
     rope_bias,
     rope_n_hi,
+    bank_ptr,
+    table_ptr,
+    stride_slot,
     q_scale,
     head_dim,
     sink_tokens,
@@ -167,6 +179,7 @@ def _decode_select_kernel(
     LO_BITS: tl.constexpr,
     BLOCK_CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_BANK: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -213,6 +226,7 @@ def _decode_select_kernel(
         base = offs_c
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     k_head_ptr = kv_ptr + kv_head.to(tl.int64) * stride_khead  # K plane: index 0
+    bank_head_ptr = bank_ptr + kv_head.to(tl.int64) * stride_khead
 
     best_all = tl.full([BLOCK_CHUNK], float("-inf"), tl.float32)
     for g in tl.static_range(HEADS):
@@ -240,14 +254,14 @@ def _decode_select_kernel(
             s_left = _probe(
                 k_head_ptr, bt_row, stride_btp, p_left, live, q, offs_d, d_in,
                 stride_kpage, stride_ktok, stride_kd, base - p_left, partner, freq, sign, rot,
-                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, ROPE, ROT_DIM // 2,
-                LO_BITS,
+                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_head_ptr, table_ptr,
+                stride_slot, PAGE_SIZE, ROPE, ROT_DIM // 2, LO_BITS, HAS_BANK,
             )  # fmt: skip
             s_right = _probe(
                 k_head_ptr, bt_row, stride_btp, p_right, live, q_r, offs_d, d_in,
                 stride_kpage, stride_ktok, stride_kd, base - p_right, partner, freq, sign, rot,
-                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, ROPE, ROT_DIM // 2,
-                LO_BITS,
+                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_head_ptr, table_ptr,
+                stride_slot, PAGE_SIZE, ROPE, ROT_DIM // 2, LO_BITS, HAS_BANK,
             )  # fmt: skip
             # Strictly greater goes left, so a tie descends right, as in the reference.
             go_left = s_left > s_right
@@ -260,8 +274,8 @@ def _decode_select_kernel(
             s_single = _probe(
                 k_head_ptr, bt_row, stride_btp, left, single, q, offs_d, d_in,
                 stride_kpage, stride_ktok, stride_kd, base - left, partner, freq, sign, rot,
-                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, ROPE, ROT_DIM // 2,
-                LO_BITS,
+                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_head_ptr, table_ptr,
+                stride_slot, PAGE_SIZE, ROPE, ROT_DIM // 2, LO_BITS, HAS_BANK,
             )  # fmt: skip
             best = tl.where(single, s_single, best)
         best_all = tl.maximum(best_all, best)
@@ -440,13 +454,16 @@ def refresh_masks(
     scale: float,
     scores: list[torch.Tensor],
     placement: QueryPlacement | None = None,
+    bank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Rerun every stage at or after each row's refresh level, from its stored input (§1.6).
 
     ``q`` is ``[B, H_q, D]`` (the decode queries, unscaled, rotated at their true positions);
     ``scores[i]`` is stage ``i``'s scratch, ``[>= B, >= W_i]`` float32 at -inf (left so).
     Launches ``2 * n_stages`` kernels whatever the levels; no host sync, graph-capturable once
-    the RoPE tables and ``placement`` are built (:meth:`QueryPlacement.build`).
+    the RoPE tables and ``placement`` are built (:meth:`QueryPlacement.build`). ``bank =
+    (pages, table)``: keys are read through the host tier's GPU cache, as in
+    :func:`triton_bsa.sparse_decode_attention` (the stages read K only).
     """
     batch, hq, d = q.shape
     if batch == 0:
@@ -467,6 +484,7 @@ def refresh_masks(
         q_left, q_right, q_scale = q, None, scale
         rope_args = (q_left, q_left, 0, 1)
         rope_meta = dict(ROPE_STYLE=ROPE_NONE, ROT_DIM=0, IS_NEOX=True)
+    bank_pages, bank_table = check_bank(bank, kv_cache)
     block_d = max(16, triton.next_power_of_2(d))
     block_chunk = 32
     heads = 1  # query heads per program (see the module docstring)
@@ -476,13 +494,14 @@ def refresh_masks(
         _decode_select_kernel[(batch, triton.cdiv(width, block_chunk), hq // heads)](
             q_left, q_left if q_right is None else q_right, kv_cache, rows.block_table,
             rows.seq_lens, rows.slots, rows.levels, cand, masks.counts, masks.widths, scores[i],
-            *rope_args, q_scale, d, params.sink_tokens, params.scan_window,
+            *rope_args, bank_pages, bank_table, bank_pages.stride(0), q_scale, d,
+            params.sink_tokens, params.scan_window,
             *q_left.stride(), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
             kv_cache.stride(4), *rows.block_table.stride(), cand.stride(0), cand.stride(1),
             masks.counts.stride(0), scores[i].stride(0),
             STAGE=i, GROUP=hq // hkv, HEADS=heads, PAGE_SIZE=page_size, CHUNK_SIZE=st.chunk_size,
             N_ITERS=ref.bisect_steps(st.chunk_size), MIDPOINT=params.probe == "midpoint",
-            LO_BITS=LO_BITS, BLOCK_CHUNK=block_chunk, BLOCK_D=block_d,
+            LO_BITS=LO_BITS, BLOCK_CHUNK=block_chunk, BLOCK_D=block_d, HAS_BANK=bank is not None,
             num_warps=4, **rope_meta,
         )  # fmt: skip
         top_chunks(scores[i], rows, masks, params, i)

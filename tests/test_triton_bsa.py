@@ -429,6 +429,62 @@ def test_triton_ops_match_the_reference_through_backend_calls(pruning, nq, after
 
 
 # --------------------------------------------------------------------------- GPU, real shapes
+def bank_of(kv: torch.Tensor, n_resident: int, gen: torch.Generator):
+    """A host-tier bank holding ``n_resident`` random pages of ``kv`` in shuffled slots (plus a
+    spare), its residency table, and a copy of ``kv`` whose resident pages are NaN: a read
+    that goes to the host for a resident page poisons the result."""
+    n_pages = kv.shape[0]
+    resident = torch.randperm(n_pages, generator=gen)[:n_resident]
+    slots = torch.randperm(n_resident + 1, generator=gen)[:n_resident]
+    pages = torch.zeros(n_resident + 1, *kv.shape[1:], dtype=kv.dtype, device=kv.device)
+    table = torch.full((n_pages,), -1, dtype=torch.int32, device=kv.device)
+    pages[slots.to(kv.device)] = kv[resident.to(kv.device)]
+    table[resident.to(kv.device)] = slots.int().to(kv.device)
+    host = kv.clone()
+    host[resident.to(kv.device)] = float("nan")
+    return (pages, table), host
+
+
+@pytest.mark.parametrize("rope", [None, NEOX64], ids=["true-positions", "streaming"])
+def test_decode_reads_resident_pages_from_the_bank(rope):
+    """Through the bank, with the host's copies of resident pages poisoned, decode attention is
+    bit-identical to reading the cache alone (a row without a slot attends densely too)."""
+    gen = torch.Generator().manual_seed(11)
+    seq_lens = [700, 300, 90]
+    kv, table = paged_cache(seq_lens, 16, 2, 64, torch.float32, gen)
+    rows = [random_starts(s, 12, n, 8, True, gen) for s, n in zip(seq_lens, [9, 12, 3])]
+    starts = torch.stack([r[0] for r in rows]).to(DEVICE)
+    n_valid = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), 8, 64, generator=gen).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([0, 1, -1], dtype=torch.int32, device=DEVICE)
+    bank, host = bank_of(kv, kv.shape[0] // 2, gen)
+
+    def decode(cache, bank=None):
+        return tb.sparse_decode_attention(
+            q, cache, table, lens, starts, n_valid, block_size_k=8, sink_tokens=16,
+            window_tokens=64, scale=0.125, num_splits=3, rope=rope, row_slots=slots, bank=bank,
+        )  # fmt: skip
+
+    want = decode(kv)
+    assert torch.isnan(decode(host)).any(), "the poisoned pages are read"
+    assert torch.equal(decode(host, bank), want)
+
+
+def test_decode_bank_must_match_the_cache_layout():
+    gen = torch.Generator().manual_seed(12)
+    kv, table = paged_cache([40], 16, 2, 32, torch.float32, gen)
+    (pages, res), _ = bank_of(kv, 2, gen)
+    args = (torch.randn(1, 4, 32, device=DEVICE), kv, table, torch.tensor([40], device=DEVICE),
+            torch.zeros(1, 4, dtype=torch.int32, device=DEVICE),
+            torch.zeros(1, dtype=torch.int32, device=DEVICE))  # fmt: skip
+    kw = dict(block_size_k=8, sink_tokens=4, window_tokens=16, scale=0.2)
+    with pytest.raises(ValueError, match="page layout"):
+        tb.sparse_decode_attention(*args, **kw, bank=(pages.half(), res))
+    with pytest.raises(ValueError, match="residency table"):
+        tb.sparse_decode_attention(*args, **kw, bank=(pages, res.long()))
+
+
 def realistic_inputs(seq_lens: list[int], seed: int):
     gen = torch.Generator().manual_seed(seed)
     hq, hkv, d = 32, 8, 128

@@ -196,3 +196,43 @@ def test_decode_attention_through_slots_equals_reference(streaming):
     # budget count of the two sparse rows: sink + window + final blocks each; context pairs
     budget = 2 * (16 + 128 + 64)
     assert stats.tolist() == [budget, 1500 + 2900]
+
+
+@pytest.mark.parametrize("rope_style", [None, "chunk-indexed"])
+def test_cascade_reads_resident_pages_from_the_bank(rope_style):
+    """The host tier's GPU cache: with the host's copies of the bank's pages poisoned, the
+    cascade through the bank stores exactly the masks it stores reading the cache alone."""
+    gen = torch.Generator().manual_seed(21)
+    hq, hkv, d, page = 4, 2, 32, 16
+    rope = None
+    if rope_style is not None:
+        rope = ref.RopePlan(RopeTable.default(d, 10000.0), pruning=rope_style, bsa="streaming")
+    params = small_params(rope)
+    seq_lens = [1500, 2900, 700]
+    cache, table, q = batch(seq_lens, hq, hkv, d, page, gen)
+    cache, q = cache.to(DEVICE), q.to(DEVICE)
+    n_pages = cache.shape[0]
+    resident = torch.randperm(n_pages, generator=gen)[: n_pages // 2].to(DEVICE)
+    slots_of = torch.randperm(n_pages // 2 + 1, generator=gen)[: n_pages // 2].to(DEVICE)
+    pages = torch.zeros(n_pages // 2 + 1, *cache.shape[1:], device=DEVICE)
+    pages[slots_of] = cache[resident]
+    residency = torch.full((n_pages,), -1, dtype=torch.int32, device=DEVICE)
+    residency[resident] = slots_of.int()
+    poisoned = cache.clone()
+    poisoned[resident] = float("nan")
+    placement = None
+    if rope is not None:
+        placement = td.QueryPlacement.build(rope_style, rope.table, params.scan_window,
+                                            torch.device(DEVICE))  # fmt: skip
+
+    def masks_from(kv, bank=None):
+        masks = dec.DecodeMasks.allocate(params, 64, 4, torch.device(DEVICE))
+        scores = dec.allocate_scores(dec.stage_widths(params, 3000), 4, torch.device(DEVICE))
+        rows = rows_on(DEVICE, table, seq_lens, [0, 1, 2], [0, 0, 0])
+        td.refresh_masks(params, masks, q, kv, rows, d**-0.5, scores, placement, bank=bank)
+        return masks
+
+    want = masks_from(cache)
+    assert_masks_equal(masks_from(poisoned, (pages, residency)), want, [0, 1, 2])
+    with pytest.raises(AssertionError):  # the poisoned pages are probed
+        assert_masks_equal(masks_from(poisoned), want, [0, 1, 2])
