@@ -103,16 +103,26 @@ class PruneResult:
 
 # --------------------------------------------------------------------------- paged KV access
 def gather_paged_kv(
-    kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
+    kv_cache: torch.Tensor,
+    block_table_row: torch.Tensor,
+    seq_len: int,
+    bank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one request as contiguous ``[seq_len, H_kv, D]`` tensors.
 
-    ``kv_cache`` is this plugin's layout ``[num_blocks, 2, block_size, H_kv, D]``.
+    ``kv_cache`` is this plugin's layout ``[num_blocks, 2, block_size, H_kv, D]``. With
+    ``bank = (pages, table)`` (the host tier's GPU cache, as the kernels take it) a page whose
+    ``table`` entry holds a slot is read from ``pages`` instead.
     """
     block_size = kv_cache.shape[2]
     n_blocks = (seq_len + block_size - 1) // block_size
     blocks = block_table_row[:n_blocks].long()
     kv = kv_cache.index_select(0, blocks)  # [n, 2, bs, H, D]
+    if bank is not None:
+        pages, table = bank
+        slot = table[blocks].long()
+        resident = (slot >= 0).view(-1, 1, 1, 1, 1)
+        kv = torch.where(resident, pages.index_select(0, slot.clamp(min=0)), kv)
     k = kv[:, 0].reshape(n_blocks * block_size, *kv.shape[-2:])[:seq_len]
     v = kv[:, 1].reshape(n_blocks * block_size, *kv.shape[-2:])[:seq_len]
     return k, v

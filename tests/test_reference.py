@@ -163,3 +163,44 @@ def test_attention_recall_is_the_dense_mass_on_the_mask():
     late = torch.zeros(3, t, dtype=torch.bool)
     late[:, 45:] = True
     assert got.new_zeros(hq).allclose(ref.attention_recall(q, k, pos, late, 0.25)[0])
+
+
+def test_reads_through_the_host_tier_bank_equal_the_cache():
+    """The CPU path reads through the host tier's bank as the kernels do: with the cache's copies
+    of resident pages poisoned, K/V gathers, decode masks and decode attention are unchanged."""
+    from vllm_infinitehip.kernels import decode as dec
+
+    gen = torch.Generator().manual_seed(5)
+    page, hkv, d, hq = 16, 2, 32, 4
+    seq_lens = [900, 300]
+    n_pages = sum(-(-s // page) for s in seq_lens) + 2
+    cache = torch.randn(n_pages, 2, page, hkv, d, generator=gen)
+    perm = torch.randperm(n_pages, generator=gen)
+    table = torch.stack([perm[:57], torch.cat([perm[57:76], perm[:38]])]).int()
+    resident = torch.randperm(n_pages, generator=gen)[: n_pages // 2]
+    slots = torch.randperm(n_pages // 2 + 1, generator=gen)[: n_pages // 2]
+    pages = torch.zeros(n_pages // 2 + 1, 2, page, hkv, d)
+    pages[slots] = cache[resident]
+    residency = torch.full((n_pages,), -1, dtype=torch.int32)
+    residency[resident] = slots.int()
+    bank = (pages, residency)
+    poisoned = cache.clone()
+    poisoned[resident] = float("nan")
+    for b, s in enumerate(seq_lens):
+        for got, want in zip(ref.gather_paged_kv(poisoned, table[b], s, bank),
+                             ref.gather_paged_kv(cache, table[b], s)):  # fmt: skip
+            assert torch.equal(got, want)
+    stages = (ref.StageParams(64, 512, 32, 4), ref.StageParams(8, 64, 32, 1))
+    params = ref.PruneParams(sink_tokens=16, window_tokens=64, stages=stages)
+    q = torch.randn(2, hq, d, generator=gen)
+    i32 = dict(dtype=torch.int32)
+    rows = dec.DecodeRows(table, torch.tensor(seq_lens, **i32), torch.tensor([0, -1], **i32),
+                          torch.tensor([0, -1], **i32))  # fmt: skip
+    masks = [dec.DecodeMasks.allocate(params, 64, 2, torch.device("cpu")) for _ in range(2)]
+    dec.refresh_masks_reference(params, masks[0], q, cache, rows, 0.2)
+    dec.refresh_masks_reference(params, masks[1], q, poisoned, rows, 0.2, bank)
+    assert torch.equal(masks[0].final, masks[1].final) and int(masks[0].counts[0, -1]) == 8
+    want, pairs = dec.attend_reference(params, masks[0], q, cache, rows, 0.2)
+    got, got_pairs = dec.attend_reference(params, masks[1], q, poisoned, rows, 0.2, bank)
+    assert torch.equal(got, want) and got_pairs == pairs
+    assert torch.isnan(dec.attend_reference(params, masks[1], q, poisoned, rows, 0.2)[0]).any()
