@@ -55,7 +55,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _kv_rows(
+def paged_rows(
     kv_ptr,
     bt_row_ptr,
     stride_btp,
@@ -88,7 +88,7 @@ def _kv_rows(
 
 @triton.jit
 def _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d):
-    """K and V ``[BLOCK_N, BLOCK_D]`` at ``rows`` (:func:`_kv_rows`); zeros where ``~ok``."""
+    """K and V ``[BLOCK_N, BLOCK_D]`` at ``rows`` (:func:`paged_rows`); zeros where ``~ok``."""
     ptrs = rows[:, None] + offs_d[None, :] * stride_d
     mask = ok[:, None] & d_ok[None, :]
     k = tl.load(ptrs, mask=mask, other=0.0)
@@ -114,7 +114,7 @@ def _load_kv(
     PAGE_SIZE: tl.constexpr,
 ):
     """K and V rows ``[BLOCK_N, BLOCK_D]`` of tokens ``t`` of one request; zeros where ``~ok``."""
-    rows = _kv_rows(
+    rows = paged_rows(
         kv_ptr, bt_row_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
         kv_ptr, bt_row_ptr, 0, PAGE_SIZE, False,
     )  # fmt: skip
@@ -140,7 +140,7 @@ def _rotate_keys(
     HALF: tl.constexpr,
     LO_BITS: tl.constexpr,
 ):
-    """Keys ``k`` (loaded from ``rows``, :func:`_kv_rows`) rotated by ``delta`` each, in k's
+    """Keys ``k`` (loaded from ``rows``, :func:`paged_rows`) rotated by ``delta`` each, in k's
     dtype.
 
     The pair partners are a second load of the same rows. The result is rounded back to the
@@ -332,7 +332,7 @@ def _decode_split_kernel(
             sel_ok = sel & (t_sel >= sink_tokens) & (t_sel < win_lo) & (t_sel >= prev_end)
         t = tl.where(in_sw, t_sw, t_sel)
         ok = tl.where(in_sw, live, sel_ok)
-        rows = _kv_rows(
+        rows = paged_rows(
             kv_ptr, bt_row, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
             bank_ptr, table_ptr, stride_slot, PAGE_SIZE, HAS_BANK,
         )  # fmt: skip
@@ -469,7 +469,7 @@ def _prefill_streaming(
         start = tl.load(starts_row + (vi // BLOCK_K) * stride_sk, mask=live, other=0)
         t = start.to(tl.int32) + vi % BLOCK_K
         ok = live & (t >= 0) & (t < win_lo)
-        rows = _kv_rows(
+        rows = paged_rows(
             kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
             kv_ptr, bt_ptr, 0, PAGE_SIZE, False,
         )  # fmt: skip
@@ -489,7 +489,7 @@ def _prefill_streaming(
     for t0 in range(0, sink_hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         ok = t < sink_hi
-        rows = _kv_rows(
+        rows = paged_rows(
             kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
             kv_ptr, bt_ptr, 0, PAGE_SIZE, False,
         )  # fmt: skip

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from . import reference as ref
 from .decode import DecodeMasks, DecodeRows
-from .triton_bsa import check_bank
+from .triton_bsa import check_bank, paged_rows
 from .triton_rope import (
     LO_BITS,
     check_layout,
@@ -52,16 +52,18 @@ _ROPE_CODES = {"none": ROPE_NONE, "relative": ROPE_RELATIVE, "chunk-indexed": RO
 # --------------------------------------------------------------------------- kernels
 @triton.jit
 def _probe(
-    k_head_ptr,
+    kv_ptr,
     bt_row,
     stride_btp,
     pos,
     mask,
+    kv_head,
     q,
     offs_d,
     d_in,
     stride_kpage,
     stride_ktok,
+    stride_khead,
     stride_kd,
     delta,
     partner,
@@ -72,7 +74,7 @@ def _probe(
     rope_lo_ptr,
     rope_bias,
     rope_n_hi,
-    bank_head_ptr,
+    bank_ptr,
     table_ptr,
     stride_slot,
     PAGE_SIZE: tl.constexpr,
@@ -83,13 +85,10 @@ def _probe(
 ):
     """q . k (fp32) of one query at each key position in ``pos``, keys turned by ``delta``.
     With ``HAS_BANK``, keys of pages the residency table places in the bank are read there."""
-    page = tl.load(bt_row + (pos // PAGE_SIZE) * stride_btp, mask=mask, other=0).to(tl.int64)
-    # int64: a large cache spans more than 2**31 elements.
-    in_page = (pos % PAGE_SIZE).to(tl.int64) * stride_ktok
-    rows = k_head_ptr + page * stride_kpage + in_page
-    if HAS_BANK:
-        slot = tl.load(table_ptr + page, mask=mask, other=-1).to(tl.int64)
-        rows = tl.where(slot >= 0, bank_head_ptr + slot * stride_slot + in_page, rows)
+    rows = paged_rows(
+        kv_ptr, bt_row, stride_btp, pos, mask, kv_head, stride_kpage, stride_ktok, stride_khead,
+        bank_ptr, table_ptr, stride_slot, PAGE_SIZE, HAS_BANK,
+    )  # fmt: skip
     m2 = mask[:, None] & d_in[None, :]
     k = tl.load(rows[:, None] + offs_d[None, :] * stride_kd, mask=m2, other=0.0)
     k = k.to(tl.float32)
@@ -225,8 +224,6 @@ def _decode_select_kernel(
         rot = d_in
         base = offs_c
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    k_head_ptr = kv_ptr + kv_head.to(tl.int64) * stride_khead  # K plane: index 0
-    bank_head_ptr = bank_ptr + kv_head.to(tl.int64) * stride_khead
 
     best_all = tl.full([BLOCK_CHUNK], float("-inf"), tl.float32)
     for g in tl.static_range(HEADS):
@@ -252,15 +249,15 @@ def _decode_select_kernel(
                 p_left = left
                 p_right = mid
             s_left = _probe(
-                k_head_ptr, bt_row, stride_btp, p_left, live, q, offs_d, d_in,
-                stride_kpage, stride_ktok, stride_kd, base - p_left, partner, freq, sign, rot,
-                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_head_ptr, table_ptr,
+                kv_ptr, bt_row, stride_btp, p_left, live, kv_head, q, offs_d, d_in,
+                stride_kpage, stride_ktok, stride_khead, stride_kd, base - p_left, partner, freq,
+                sign, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr,
                 stride_slot, PAGE_SIZE, ROPE, ROT_DIM // 2, LO_BITS, HAS_BANK,
             )  # fmt: skip
             s_right = _probe(
-                k_head_ptr, bt_row, stride_btp, p_right, live, q_r, offs_d, d_in,
-                stride_kpage, stride_ktok, stride_kd, base - p_right, partner, freq, sign, rot,
-                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_head_ptr, table_ptr,
+                kv_ptr, bt_row, stride_btp, p_right, live, kv_head, q_r, offs_d, d_in,
+                stride_kpage, stride_ktok, stride_khead, stride_kd, base - p_right, partner, freq,
+                sign, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr,
                 stride_slot, PAGE_SIZE, ROPE, ROT_DIM // 2, LO_BITS, HAS_BANK,
             )  # fmt: skip
             # Strictly greater goes left, so a tie descends right, as in the reference.
@@ -272,9 +269,9 @@ def _decode_select_kernel(
         single = c_in & (best == float("-inf"))
         if tl.max(single.to(tl.int32), axis=0) > 0:
             s_single = _probe(
-                k_head_ptr, bt_row, stride_btp, left, single, q, offs_d, d_in,
-                stride_kpage, stride_ktok, stride_kd, base - left, partner, freq, sign, rot,
-                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_head_ptr, table_ptr,
+                kv_ptr, bt_row, stride_btp, left, single, kv_head, q, offs_d, d_in,
+                stride_kpage, stride_ktok, stride_khead, stride_kd, base - left, partner, freq,
+                sign, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr,
                 stride_slot, PAGE_SIZE, ROPE, ROT_DIM // 2, LO_BITS, HAS_BANK,
             )  # fmt: skip
             best = tl.where(single, s_single, best)
