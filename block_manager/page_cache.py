@@ -61,18 +61,17 @@ class PageCache:
     # ------------------------------------------------------------------ reads and writes
     def slots_of(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
         """The slot of each page (-1: read it from the host); ``pages`` -1 gives -1."""
-        return self.table[layer, torch.where(pages >= 0, pages, self.num_pages).long()]
+        return self.table[layer, self._table_index(pages)]
 
     def write_slots(self, pages: torch.Tensor) -> torch.Tensor:
         """``[layers, N]``: where a write to ``pages`` must also go in each layer's bank (-1:
         host only). Writes always go to the host first: the bank is write-through."""
-        idx = torch.where(pages >= 0, pages, self.num_pages).long()
-        return self.table[:, idx]
+        return self.table[:, self._table_index(pages)]
 
     def invalidate(self, pages: torch.Tensor) -> None:
         """Forget ``pages`` in every layer (vLLM handed these block ids to new content, or copied
         into them): their slots become empty and are the first to refill."""
-        idx = torch.where(pages >= 0, pages, self.num_pages).long()
+        idx = self._table_index(pages)
         slots = self.table[:, idx].long()  # [layers, N]
         at = torch.where(slots >= 0, slots, self.num_slots)
         self.owner.scatter_(1, at, -1)
@@ -102,17 +101,19 @@ class PageCache:
         miss = wanted & (slot < 0)
         # hits: refresh their stamps; they and every empty-or-old slot not used here are victims
         stamp = self.stamp[layer]
-        stamp.scatter_(0, torch.where(hit, slot, n_slots), now.expand(n))
+        hit_slot = torch.where(hit, slot, n_slots)
+        stamp.scatter_(0, hit_slot, now.expand(n))
         used = torch.zeros(n_slots + 1, dtype=torch.bool, device=pages.device)
-        used.scatter_(0, torch.where(hit, slot, n_slots), True)
+        used.scatter_(0, hit_slot, True)
         order_key = torch.where(used[:n_slots], _NEVER, stamp[:n_slots])
         # stable: equal stamps (e.g. empty slots) go in slot order
         victims = torch.sort(order_key, stable=True).indices
         free = order_key[victims] != _NEVER
         # the r-th miss (ascending page order) takes the r-th victim, while victims last
-        rank = (torch.cumsum(miss, 0) - 1).clamp(0, n_slots - 1)
+        misses_so_far = torch.cumsum(miss, 0)
+        rank = (misses_so_far - 1).clamp(0, n_slots - 1)
         victim = victims[rank]
-        take = miss & free[rank] & (torch.cumsum(miss, 0) <= n_slots)
+        take = miss & free[rank] & (misses_so_far <= n_slots)
         fill_slot = torch.where(take, victim, n_slots)
         fill_page = torch.where(take, sorted_pages, self.num_pages)
         # the evicted pages leave the table, then the new ones enter
@@ -128,6 +129,10 @@ class PageCache:
         return Promotion(
             torch.where(take, sorted_pages, -1), torch.where(take, victim, -1), n_hits, n_misses
         )
+
+    def _table_index(self, pages: torch.Tensor) -> torch.Tensor:
+        """Table columns of ``pages``; padding (-1) maps to the spare column."""
+        return torch.where(pages >= 0, pages, self.num_pages).long()
 
     def _reset_spares(self) -> None:
         self.table[:, self.num_pages] = -1
