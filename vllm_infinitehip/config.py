@@ -67,6 +67,23 @@ DENSE_PREFILL_CROSSOVER = 131072
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """The host KV tier (``infinitehip.offload``): vLLM's KV blocks live in host memory and a GPU
+    bank caches the pages the kernels read (``block_manager``).
+
+    - ``enabled``: on or off (``"offload": true`` is short for ``{"enabled": true}``).
+    - ``host_gib``: host memory for KV, the capacity vLLM's scheduler sees. ``None``: 80% of the
+      memory the machine has available at startup.
+    - ``bank_gib``: GPU memory for the bank of hot pages. ``None``: what vLLM's profiling leaves
+      for KV on the GPU (``gpu_memory_utilization``).
+    """
+
+    enabled: bool = False
+    host_gib: float | None = None
+    bank_gib: float | None = None
+
+
+@dataclass(frozen=True)
 class InfiniteHiPConfig:
     """Everything the backend needs to know; immutable once validated.
 
@@ -107,6 +124,7 @@ class InfiniteHiPConfig:
       tensor-core pass, default) or ``"fp32"`` (three passes, fp32-accurate). Decode scoring is
       always exact fp32 (one query per row).
     - ``block_size_k``: granularity of selected blocks in block-sparse attention (= last chunk).
+    - ``offload``: the host KV tier, :class:`OffloadConfig` (off by default).
     """
 
     preset: str = "3k"
@@ -126,6 +144,7 @@ class InfiniteHiPConfig:
     trained_context: int | None = None
     scoring_precision: str = "tf32"
     prefill_dense_threshold: int | str | None = "auto"
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     @property
     def final_keep_tokens(self) -> int:
@@ -185,6 +204,7 @@ class InfiniteHiPConfig:
         out["stages"] = [dataclasses.asdict(s) for s in self.stages]
         out["refresh_intervals"] = list(self.refresh_intervals)
         out["dense_layers"] = list(self.dense_layers)
+        out["offload"] = dataclasses.asdict(self.offload)
         return out
 
     def summary(self) -> str:
@@ -201,7 +221,8 @@ class InfiniteHiPConfig:
             f"prefill_final_query_own_mask={self.prefill_final_query_own_mask} "
             f"rope_extension={self.rope_extension} trained_context={self.trained_context} "
             f"scoring_precision={self.scoring_precision} "
-            f"prefill_dense_threshold={self.prefill_dense_threshold}"
+            f"prefill_dense_threshold={self.prefill_dense_threshold} "
+            f"offload={self.offload}"
         )
 
     # ---------------------------------------------------------------- parsing
@@ -308,6 +329,8 @@ class InfiniteHiPConfig:
                 _list(values["refresh_intervals"], "infinitehip.refresh_intervals")
             )
         )
+        if "offload" in values:
+            kwargs["offload"] = _offload(values["offload"])
         config = cls(**kwargs)
         config.validate()
         return config
@@ -420,3 +443,33 @@ def _stage(raw: Any, i: int) -> StageConfig:
         if required not in raw:
             raise InfiniteHiPConfigError(f"`{where}.{required}` is required")
     return StageConfig(**{k: _int(v, f"{where}.{k}", minimum=1) for k, v in raw.items()})
+
+
+def _offload(raw: Any) -> OffloadConfig:
+    where = "infinitehip.offload"
+    if isinstance(raw, OffloadConfig):
+        return raw
+    if isinstance(raw, bool):
+        return OffloadConfig(enabled=raw)
+    if not isinstance(raw, dict):
+        raise InfiniteHiPConfigError(
+            f"`{where}` must be true, false or an object, got {type(raw).__name__}"
+        )
+    names = {f.name for f in dataclasses.fields(OffloadConfig)}
+    for key in raw:
+        if key not in names:
+            raise InfiniteHiPConfigError(
+                f"unknown field `{where}.{key}`; valid fields: {', '.join(sorted(names))}"
+            )
+    enabled = raw.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise InfiniteHiPConfigError(f"`{where}.enabled`={enabled!r} must be true or false")
+    sizes: dict[str, float | None] = {}
+    for name in ("host_gib", "bank_gib"):
+        v = raw.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise InfiniteHiPConfigError(
+                f"`{where}.{name}`={v!r} must be a positive number of GiB (or null: automatic)"
+            )
+        sizes[name] = None if v is None else float(v)
+    return OffloadConfig(enabled=enabled, **sizes)

@@ -1,0 +1,53 @@
+"""The host KV tier of one worker process: its budget, and the GPU caches that read through it.
+
+The worker (:mod:`vllm_infinitehip.worker`) sizes the tier when vLLM asks it how much KV memory it
+has, and installs it here; the attention builders of the same process then size their banks from
+it and register their :class:`PageCache`, and the worker tells the tier
+which block ids vLLM freed or rewrote behind the kernels' back (:meth:`HostTier.release`). One tier
+per process: a worker process drives one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_infinitehip.block_manager.page_cache import PageCache
+
+
+@dataclass
+class HostTier:
+    """What the worker decided: bytes of host KV (the capacity vLLM's scheduler sees) and of
+    the GPU bank; and the page caches of this process's attention groups."""
+
+    host_bytes: int
+    bank_bytes: int
+    caches: list[PageCache] = field(default_factory=list)
+
+    def register(self, cache: PageCache) -> None:
+        self.caches.append(cache)
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """Forget these blocks in every bank: vLLM freed them (a finished, aborted or preempted
+        request) or is about to write them outside attention (zeroing, block copies)."""
+        ids = sorted(set(int(b) for b in block_ids))
+        if not ids or not self.caches:
+            return
+        for cache in self.caches:
+            pages = torch.tensor(ids, dtype=torch.int64, device=cache.table.device)
+            cache.invalidate(pages[pages < cache.num_pages])
+
+
+_TIER: HostTier | None = None
+
+
+def install(tier: HostTier | None) -> None:
+    global _TIER
+    _TIER = tier
+
+
+def current() -> HostTier | None:
+    """The tier of this process, or None when offload is off (or not sized yet)."""
+    return _TIER
