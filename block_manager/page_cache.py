@@ -13,10 +13,10 @@ land on a spare table entry / spare slot), so a step plans promotions with no ho
 - ``stamp[layer, slot]``: the clock at the slot's last use; empty slots are -1, so they fill first.
 
 :meth:`PageCache.promote` is what a refresh step runs for the pages its new masks read: pages
-already resident are hits and get the new stamp; each missing page (in ascending page order) takes
-the least recently used slot that no page of the same call uses (ties: the lower slot), so the
-pages a step asks for, sink and window included, never evict each other. Misses beyond the bank
-stay on the host and are read there. The caller copies the returned ``(pages, slots)`` pairs from
+already resident are hits and get the new stamp; each missing page, in the order the call lists
+them (callers put what matters most first: sink and window pages), takes the least recently used
+slot that no page of the same call uses (ties: the lower slot), so the pages a step asks for
+never evict each other. Misses beyond the bank stay on the host and are read there. The caller copies the returned ``(pages, slots)`` pairs from
 host to bank. Reuse steps do not call it, as in the paper: between refreshes every read hits.
 """
 
@@ -89,13 +89,15 @@ class PageCache:
         now = self.clock
         pages = pages.long()
         n = pages.shape[0]
-        # distinct requested pages, ascending (padding sorts last as a huge key and is dropped)
+        # each requested page's first occurrence, in request order: a stable sort puts the
+        # earliest of equal pages first (padding sorts last as a huge key and is dropped)
         key = torch.where(pages >= 0, pages, _NEVER)
-        sorted_pages, _ = torch.sort(key)
+        sorted_pages, order = torch.sort(key, stable=True)
         first = torch.ones(n, dtype=torch.bool, device=pages.device)
         first[1:] = sorted_pages[1:] != sorted_pages[:-1]
-        wanted = first & (sorted_pages != _NEVER)
-        page_idx = torch.where(wanted, sorted_pages, self.num_pages)
+        wanted = torch.zeros(n, dtype=torch.bool, device=pages.device)
+        wanted.scatter_(0, order, first & (sorted_pages != _NEVER))
+        page_idx = torch.where(wanted, pages, self.num_pages)
         slot = self.table[layer, page_idx].long()
         hit = wanted & (slot >= 0)
         miss = wanted & (slot < 0)
@@ -109,13 +111,13 @@ class PageCache:
         # stable: equal stamps (e.g. empty slots) go in slot order
         victims = torch.sort(order_key, stable=True).indices
         free = order_key[victims] != _NEVER
-        # the r-th miss (ascending page order) takes the r-th victim, while victims last
+        # the r-th miss (request order) takes the r-th victim, while victims last
         misses_so_far = torch.cumsum(miss, 0)
         rank = (misses_so_far - 1).clamp(0, n_slots - 1)
         victim = victims[rank]
         take = miss & free[rank] & (misses_so_far <= n_slots)
         fill_slot = torch.where(take, victim, n_slots)
-        fill_page = torch.where(take, sorted_pages, self.num_pages)
+        fill_page = torch.where(take, pages, self.num_pages)
         # the evicted pages leave the table, then the new ones enter
         old = self.owner[layer, fill_slot].long()
         self.table[layer].scatter_(0, torch.where(take & (old >= 0), old, self.num_pages), -1)
@@ -127,7 +129,7 @@ class PageCache:
         self.hits[layer] += n_hits
         self.misses[layer] += n_misses
         return Promotion(
-            torch.where(take, sorted_pages, -1), torch.where(take, victim, -1), n_hits, n_misses
+            torch.where(take, pages, -1), torch.where(take, victim, -1), n_hits, n_misses
         )
 
     def _table_index(self, pages: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,8 @@ class DecodeScratch:
     scores: list[torch.Tensor]  # per stage [max rows, W_i] float32 at -inf
     workspace: torch.Tensor | None  # flat float32 split partials (GPU)
     placement: object | None = None  # triton_decode.QueryPlacement of the layer
+    # the layer's host-tier bank (pages, residency table): decode reads resident pages there
+    bank: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class AttentionOps(Protocol):
@@ -85,10 +87,10 @@ class ReferenceOps:
         return out, attended
 
     def refresh_decode(self, params, masks, q, kv_cache, rows, scale, scratch):
-        dec.refresh_masks_reference(params, masks, q, kv_cache, rows, scale)
+        dec.refresh_masks_reference(params, masks, q, kv_cache, rows, scale, scratch.bank)
 
     def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch):
-        o, attended = dec.attend_reference(params, masks, q, kv_cache, rows, scale)
+        o, attended = dec.attend_reference(params, masks, q, kv_cache, rows, scale, scratch.bank)
         out.copy_(o)
         context = sum(t for t, s in zip(rows.seq_lens.tolist(), rows.slots.tolist()) if s >= 0)
         pairs += torch.tensor([attended, context], dtype=pairs.dtype)
@@ -148,7 +150,7 @@ class TritonOps:
         from vllm_infinitehip.kernels import triton_decode
 
         triton_decode.refresh_masks(params, masks, q, kv_cache, rows, scale, scratch.scores,
-                                    scratch.placement)  # fmt: skip
+                                    scratch.placement, bank=scratch.bank)  # fmt: skip
 
     def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch):
         from vllm_infinitehip.kernels import triton_bsa
@@ -159,7 +161,7 @@ class TritonOps:
             block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
             window_tokens=params.window_tokens, scale=scale, out=out,
             rope=params.rope.table if streaming else None, row_slots=rows.slots, stats=pairs,
-            workspace=scratch.workspace,
+            workspace=scratch.workspace, bank=scratch.bank,
         )  # fmt: skip
 
 

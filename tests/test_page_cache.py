@@ -1,6 +1,6 @@
 """The host tier's GPU page cache (block_manager/page_cache.py) on random access sequences.
 
-A plain-Python LRU model with the same rules (misses fill in ascending page order, victims by
+A plain-Python LRU model with the same rules (misses fill in request order, victims by
 oldest stamp then lower slot, nothing used by the same call is evicted) runs beside the device
 structure; after every call the tables, owners and counters must agree, the structure must be
 self-consistent, and every resident page's bank copy must equal the host page (nothing lost
@@ -30,7 +30,7 @@ class ModelLRU:
     def promote(self, layer: int, pages: list[int]) -> list[tuple[int, int]]:
         self.clock += 1
         table, owner, stamp = self.table[layer], self.owner[layer], self.stamp[layer]
-        wanted = sorted({p for p in pages if p >= 0})
+        wanted = list(dict.fromkeys(p for p in pages if p >= 0))  # first occurrences, in order
         used = set()
         for p in wanted:
             if p in table:

@@ -41,6 +41,8 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from vllm_infinitehip.block_manager import tier as host_tier
+from vllm_infinitehip.block_manager.bank import Bank, decode_read_pages
 from vllm_infinitehip.config import InfiniteHiPConfig
 from vllm_infinitehip.kernels import decode as dec
 from vllm_infinitehip.kernels import reference as ref
@@ -101,10 +103,54 @@ def _current_device(vllm_config: VllmConfig) -> torch.device:
     return device
 
 
+def _current_bank(layer_name: str) -> tuple[Bank, int] | None:
+    """The bank of this layer's group in the running step, and the layer's index in it (None
+    with offload off, and in the profiling run, which has no metadata)."""
+    from vllm.forward_context import get_forward_context
+
+    metadata = get_forward_context().attn_metadata
+    m = metadata.get(layer_name) if isinstance(metadata, dict) else None
+    if m is None or m.plan.bank is None:
+        return None
+    return m.plan.bank, m.plan.bank_layers[layer_name]
+
+
+def _page_copier(device: torch.device):
+    if device.type == "cuda":
+        from vllm_infinitehip.kernels.triton_bank import copy_pages
+
+        return copy_pages
+    from vllm_infinitehip.kernels.triton_bank import copy_pages_reference
+
+    return copy_pages_reference
+
+
 def _layer_index(layer_name: str) -> int:
     from vllm.model_executor.models.utils import extract_layer_index
 
     return extract_layer_index(layer_name)
+
+
+def _make_bank(
+    vllm_config: VllmConfig, spec: AttentionSpec, layers: int, device: torch.device
+) -> Bank:
+    """This group's bank, sized from the budget the tier's worker set aside on the GPU."""
+    tier = host_tier.current()
+    if tier is None:
+        raise RuntimeError(
+            "infinitehip.offload is on but no host tier was sized in this process: vLLM did not "
+            "run the plugin's worker (parallel_config.worker_cls was overridden?)"
+        )
+    num_pages = vllm_config.cache_config.num_gpu_blocks
+    page_shape = (2, spec.block_size, spec.num_kv_heads, spec.head_size)
+    bank = Bank.sized(tier.bank_bytes, layers, num_pages, page_shape, spec.dtype, device)
+    tier.register(bank.cache)
+    logger.info(
+        "InfiniteHiP host tier: %.1f GiB of KV on the host (%d pages), a GPU bank of %d pages per "
+        "layer (%.2f GiB)", tier.host_bytes / 2**30, num_pages, bank.num_slots,
+        bank.pages.numel() * bank.pages.element_size() / 2**30,
+    )  # fmt: skip
+    return bank
 
 
 @dataclass
@@ -132,6 +178,9 @@ class StepPlan:
     # longest context whose prefill chunks run dense (:func:`prefill_threshold`)
     prefill_threshold: int
     counters: StepCounters = field(default_factory=StepCounters)
+    # the host tier's GPU bank of this group (offload on), and each layer's index in it
+    bank: Bank | None = None
+    bank_layers: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -197,6 +246,9 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             DecodeScratch(scores, workspace),
             prefill_threshold(self.config, device, extension, trained),
         )  # fmt: skip
+        if self.config.offload.enabled:
+            self.plan.bank = _make_bank(vllm_config, kv_cache_spec, len(layer_names), device)
+            self.plan.bank_layers = {name: i for i, name in enumerate(layer_names)}
         i32 = dict(dtype=torch.int32, device=device)
         # persistent per-row buffers: what a captured graph reads is rewritten each step
         self._row_slots = torch.full((max_rows,), -1, **i32)
@@ -401,6 +453,8 @@ class InfiniteHiPImpl(AttentionImpl):
         self._layer_name: str | None = None
         self._scratch: DecodeScratch | None = None
         self._ops: AttentionOps | None = None
+        self._bank_layer = -1
+        self._copy_pages = None
 
     # ---------------------------------------------------------------- once per layer
     def _setup(self, layer: AttentionLayer, plan: StepPlan, device: torch.device) -> None:
@@ -415,7 +469,14 @@ class InfiniteHiPImpl(AttentionImpl):
         self.plan = plan
         rope = self._params.rope
         placement = self._placements.get(rope.pruning) if rope is not None else None
-        self._scratch = dataclasses.replace(plan.scratch, placement=placement)
+        bank = plan.bank
+        if bank is not None:
+            self._bank_layer = plan.bank_layers[layer.layer_name]
+            self._copy_pages = _page_copier(device)
+        self._scratch = dataclasses.replace(
+            plan.scratch, placement=placement,
+            bank=bank.layer(self._bank_layer) if bank is not None else None,
+        )  # fmt: skip
 
     def _rope_plan(self, layer_index: int) -> ref.RopePlan | None:
         """This layer's position remapping when extending past the trained length (§2)."""
@@ -435,6 +496,19 @@ class InfiniteHiPImpl(AttentionImpl):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+    ) -> None:
+        self._write_kv(layer, key, value, kv_cache, slot_mapping)
+        bank = _current_bank(layer.layer_name)
+        if bank is not None:
+            index = bank[1]
+            bank[0].write_through(
+                index, slot_mapping,
+                lambda pages, slots: self._write_kv(layer, key, value, pages, slots),
+            )  # fmt: skip
+
+    def _write_kv(
+        self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
     ) -> None:
         if kv_cache.device.type == "cuda":
             from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
@@ -490,6 +564,17 @@ class InfiniteHiPImpl(AttentionImpl):
         rows = m.decode
         if m.run_cascade:
             ops.refresh_decode(self._params, masks, q, kv_cache, rows, self.scale, self._scratch)
+            bank = m.plan.bank
+            if bank is not None:
+                # the pages the new masks read move into the bank before attention reads them
+                p = self._params
+                pages = decode_read_pages(
+                    rows.block_table, rows.seq_lens, rows.slots, masks.final,
+                    masks.final_counts(), p.sink_tokens, p.window_tokens, bank.page_size,
+                )  # fmt: skip
+                refreshing = (rows.slots >= 0) & (rows.levels >= 0)
+                refreshing &= rows.levels < len(p.stages)
+                bank.promote(self._bank_layer, kv_cache, pages, refreshing, self._copy_pages)
         ops.attend_decode(self._params, masks, q, kv_cache, rows, self.scale, out, self.pairs,
                           self._scratch)  # fmt: skip
         if self.recall_log is not None:

@@ -1,0 +1,152 @@
+"""The host tier's GPU bank (block_manager/bank.py) in a decode loop, against the tier off.
+
+Decode steps append a token to each request, refresh masks on the schedule, promote the pages the
+new masks read into a bank much smaller than what the rows read, and attend through it. Outputs
+and masks must equal a run without a bank exactly, every resident page's copy must equal the
+host page after every step (write-through and fills), and the counters must count what happened.
+The page copy kernel runs in Triton's interpreter without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from vllm_infinitehip.block_manager.bank import Bank, decode_read_pages  # noqa: E402
+from vllm_infinitehip.kernels import decode as dec  # noqa: E402
+from vllm_infinitehip.kernels import reference as ref  # noqa: E402
+from vllm_infinitehip.kernels import triton_bank  # noqa: E402
+from vllm_infinitehip.state import refresh_level  # noqa: E402
+
+PAGE, HKV, HQ, D = 16, 2, 4, 32
+INTERVALS = (8, 4, 2)
+
+
+def small_params() -> ref.PruneParams:
+    stages = (
+        ref.StageParams(64, 512, 32, 4),
+        ref.StageParams(16, 256, 32, 4),
+        ref.StageParams(8, 64, 32, 1),
+    )
+    return ref.PruneParams(sink_tokens=16, window_tokens=128, stages=stages)
+
+
+def paged(seq_lens: list[int], extra: int, gen: torch.Generator):
+    """A cache with room for ``extra`` more tokens per row, pages shuffled, and its table."""
+    need = [-(-(t + extra) // PAGE) for t in seq_lens]
+    num_pages = sum(need) + 2
+    cache = torch.randn(num_pages, 2, PAGE, HKV, D, generator=gen)
+    perm = torch.randperm(num_pages, generator=gen)
+    table = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[at : at + n]
+        at += n
+    return cache, table
+
+
+def test_decode_read_pages_are_sink_window_and_final_blocks():
+    gen = torch.Generator().manual_seed(3)
+    params = small_params()
+    seq_lens = [700, 1100, 50]
+    _, table = paged(seq_lens, 0, gen)
+    final = torch.randint(0, 600, (3, 8), generator=gen, dtype=torch.int32) // 8 * 8
+    counts = torch.tensor([8, 5, 0], dtype=torch.int32)
+    slots = torch.tensor([1, 0, -1], dtype=torch.int32)
+    got = decode_read_pages(table, torch.tensor(seq_lens, dtype=torch.int32), slots, final,
+                            counts, params.sink_tokens, params.window_tokens, PAGE)  # fmt: skip
+    for b, (t, s) in enumerate(zip(seq_lens, slots.tolist())):
+        want = set()
+        if s >= 0:
+            keys = set(range(params.sink_tokens)) | set(range(t - params.window_tokens, t))
+            for start in final[s, : int(counts[s])].tolist():
+                keys |= set(range(start, start + 8))
+            want = {int(table[b, k // PAGE]) for k in keys}
+        assert {p for p in got[b].tolist() if p >= 0} == want, b
+
+
+def _write_token(cache, bank, table, b, pos, k, v):
+    slot = (table[b, pos // PAGE].long() * PAGE + pos % PAGE).view(1)
+    ref.write_paged_kv(cache, k, v, slot)
+    if bank is not None:
+        bank.write_through(0, slot, lambda pages, s: ref.write_paged_kv(pages, k, v, s))
+
+
+def _decode_loop(bank: Bank | None, steps: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    params = small_params()
+    seq_lens = [700, 1100]
+    cache, table = paged(seq_lens, steps, gen)
+    masks = dec.DecodeMasks.allocate(params, 64, 2, torch.device("cpu"))
+    outs = []
+    lens = list(seq_lens)
+    for step in range(steps):
+        for b in range(2):
+            k, v = torch.randn(2, 1, HKV, D, generator=gen)
+            _write_token(cache, bank, table, b, lens[b], k, v)
+            lens[b] += 1
+        q = torch.randn(2, HQ, D, generator=gen)
+        level = refresh_level(step, INTERVALS)
+        i32 = dict(dtype=torch.int32)
+        rows = dec.DecodeRows(table, torch.tensor(lens, **i32), torch.tensor([0, 1], **i32),
+                              torch.tensor([level, level], **i32))  # fmt: skip
+        view = bank.layer(0) if bank is not None else None
+        dec.refresh_masks_reference(params, masks, q, cache, rows, D**-0.5, view)
+        if bank is not None:
+            pages = decode_read_pages(table, rows.seq_lens, rows.slots, masks.final,
+                                      masks.final_counts(), params.sink_tokens,
+                                      params.window_tokens, PAGE)  # fmt: skip
+            refreshing = torch.full((2,), level < len(INTERVALS))
+            bank.promote(0, cache, pages, refreshing, triton_bank.copy_pages_reference)
+            resident = (bank.cache.table[0, :-1] >= 0).nonzero().flatten()
+            slots = bank.cache.table[0, resident].long()
+            assert torch.equal(bank.pages[0, slots], cache[resident]), f"step {step}"
+        o, _ = dec.attend_reference(params, masks, q, cache, rows, D**-0.5, view)
+        outs.append(o)
+    return torch.stack(outs), masks
+
+
+def test_decode_through_a_small_bank_equals_the_tier_off():
+    steps = 12
+    want, want_masks = _decode_loop(None, steps, seed=5)
+    num_pages = 2 + sum(-(-(t + steps) // PAGE) for t in (700, 1100))
+    bank = Bank(1, num_pages, 12, (2, PAGE, HKV, D), torch.float32, torch.device("cpu"))
+    got, got_masks = _decode_loop(bank, steps, seed=5)
+    assert torch.equal(got, want)
+    assert torch.equal(got_masks.final, want_masks.final)
+    stats = bank.stats()
+    # each row reads ~18 pages, both ~36: the 12 slots fill, and the rest is read on the host
+    assert stats["resident_pages"] == 12
+    assert stats["filled_pages"] >= 12
+    assert stats["attn_host_pages_refresh"] > 0 and stats["attn_bank_pages_refresh"] > 0
+    assert stats["attn_bank_pages_reuse"] > 0  # odd steps reuse the masks
+    assert stats["decode_layer_steps"] == steps
+    assert stats["promote_hits"] + stats["promote_misses"] > 0
+
+
+_RUNNABLE = torch.cuda.is_available() or isinstance(
+    triton_bank._copy_pages_kernel, InterpretedFunction
+)
+
+
+@pytest.mark.skipif(not _RUNNABLE, reason="triton was imported compiled without a GPU: run "
+                    "this file alone")  # fmt: skip
+def test_page_copy_kernel_copies_the_fills_and_skips_padding():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(9)
+    cache = torch.randn(10, 2, PAGE, HKV, D, generator=gen).to(device)
+    want = torch.randn(6, 2, PAGE, HKV, D, generator=gen).to(device)
+    got = want.clone()
+    fill_pages = torch.tensor([3, -1, 7, 0, -1], device=device)
+    fill_slots = torch.tensor([4, -1, 0, 2, -1], device=device)
+    triton_bank.copy_pages(cache, got, fill_pages, fill_slots)
+    triton_bank.copy_pages_reference(cache, want, fill_pages, fill_slots)
+    assert torch.equal(got, want)
+    assert torch.equal(got[4], cache[3]) and torch.equal(got[0], cache[7])
