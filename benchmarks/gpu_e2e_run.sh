@@ -4,6 +4,7 @@
 #   run(command="bash benchmarks/gpu_e2e_run.sh vllm-tests [-k EXPR]") the vLLM GPU tests alone
 #   run(command="bash benchmarks/gpu_e2e_run.sh e2e [e2e.py args]") the end-to-end benchmark
 #   run(command="bash benchmarks/gpu_e2e_run.sh attention [contexts]") the kernel benchmark
+#   run(command="bash benchmarks/gpu_e2e_run.sh offload [offload.py args]") the host-tier benchmark
 # Logs and results land in $OUT.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
@@ -28,6 +29,11 @@ case $what in
     python3 benchmarks/e2e.py --out /root/e2e --merge "$@" 2>&1 | tee -a /root/e2e/e2e.log \
       | grep -E "^\[e2e\]|^\||Error|error" | tail -60
     cp /root/e2e/e2e-gpu-* /root/e2e/e2e.log "$OUTDIR"/ ;;
+  offload)
+    mkdir -p /root/e2e
+    python3 benchmarks/offload.py --out /root/e2e --merge "$@" 2>&1 | tee -a /root/e2e/offload.log \
+      | grep -E "^\[offload\]|^\||Error|error" | tail -60
+    cp /root/e2e/offload-gpu-* /root/e2e/offload.log "$OUTDIR"/ ;;
   attention)
     BASELINES=fa3 python3 benchmarks/attention.py --out "$OUTDIR" --baselines fa3 ${@:+--contexts "$@"} \
       2>&1 | tee "$OUTDIR/attention.log" | tail -40 ;;

@@ -134,12 +134,18 @@ class Bank:
         c[5] += 1
 
     # ------------------------------------------------------------------ introspection
-    def stats(self) -> dict[str, int]:
-        """Counters, promotion hits and misses, and occupancy, read back to the host."""
+    def stats(self, reset: bool = False) -> dict[str, int]:
+        """Counters, promotion hits and misses, and occupancy (all layers), read back to the
+        host; ``reset`` zeroes the counters (not the residency)."""
         out = dict(zip(COUNTER_NAMES, self.counters.tolist()))
         out["promote_hits"] = int(self.cache.hits.sum())
         out["promote_misses"] = int(self.cache.misses.sum())
         out["resident_pages"] = int(self.cache.occupancy().sum())
-        out["slots_per_layer"] = self.num_slots
+        out["bank_slots"] = self.num_slots * self.cache.layers
+        out["layers"] = self.cache.layers
         out["page_bytes"] = self.page_bytes
+        if reset:
+            self.counters.zero_()
+            self.cache.hits.zero_()
+            self.cache.misses.zero_()
         return out

@@ -79,7 +79,11 @@ def collect_stats(worker: Any, reset: bool = False) -> dict[str, Any]:
         if reset:
             impl.pairs.zero_()
     live = 0
+    tier: dict[str, int] = {}
     for plan, n_layers in plans.values():
+        if plan.bank is not None:
+            for key, value in plan.bank.stats(reset=reset).items():
+                tier[key] = tier.get(key, 0) + value
         # the builder counts once per step what every layer of its group does
         c = plan.counters
         total.dense_queries += n_layers * c.dense_queries
@@ -95,4 +99,29 @@ def collect_stats(worker: Any, reset: bool = False) -> dict[str, Any]:
         if reset:
             c.reset()
             plan.slots.level_counts.zero_()
-    return {**total.to_dict(), "layers": len(impls), "live_slots": live}
+    out = {**total.to_dict(), "layers": len(impls), "live_slots": live}
+    if tier:
+        out["tier"] = {**tier, **tier_ratios(tier)}
+    return out
+
+
+def tier_ratios(tier: dict[str, int]) -> dict[str, float]:
+    """Hit ratios and host traffic of the host tier from its summed counters
+    (``block_manager.bank.Bank.stats``): the decode attention's reads split into refresh and
+    reuse steps, the promotions' hits, and bytes read from the host per decode step (all
+    layers: attention reads of pages not in the bank, plus the copies into it)."""
+
+    def ratio(hit: int, miss: int) -> float:
+        return hit / (hit + miss) if hit + miss else 0.0
+
+    bank_r, host_r = tier["attn_bank_pages_refresh"], tier["attn_host_pages_refresh"]
+    bank_u, host_u = tier["attn_bank_pages_reuse"], tier["attn_host_pages_reuse"]
+    steps = tier["decode_layer_steps"] / max(1, tier["layers"])
+    host_pages = host_r + host_u + tier["filled_pages"]
+    return {
+        "hit_ratio_attn": ratio(bank_r + bank_u, host_r + host_u),
+        "hit_ratio_attn_refresh": ratio(bank_r, host_r),
+        "hit_ratio_attn_reuse": ratio(bank_u, host_u),
+        "hit_ratio_promote": ratio(tier["promote_hits"], tier["promote_misses"]),
+        "host_bytes_per_step": host_pages * tier["page_bytes"] / steps if steps else 0.0,
+    }

@@ -1,0 +1,213 @@
+"""The host KV tier end to end through vLLM: the same context with the tier off and on, one run.
+
+Llama-3-8B architecture with dummy weights, infinitehip preset ``3k-fast``, vLLM's ``LLM`` in
+process (CUDA graphs as vLLM configures them), each engine in its own process. Per context and
+engine:
+
+- ``prefill_s``: a cold prompt with ``max_tokens=1`` (vLLM's ``first_token_ts - scheduled_ts``);
+- ``decode_tok_s`` at batch 1: the same prompt again (a prefix-cache hit), ``(t(129 tokens) -
+  t(1 token)) / 128``, medians of three (``e2e.decode_seconds``);
+- the greedy tokens of one 129-token call, compared across engines of the same context
+  (``greedy_equal_to_tier_off``);
+- with the tier on, its counters over the timed decode calls (``metrics.collect_stats``):
+  ``hit_ratio_attn`` (decode attention's page reads served by the bank), ``hit_ratio_mask``
+  (promotions at refresh steps that found the page resident), ``host_bytes_per_step``.
+
+The compiling warm-up call is excluded from every timing. Results:
+``offload-gpu-<date>.json`` with the issue's row fields, a PNG and a table on stdout.
+
+    python benchmarks/offload.py --contexts 524288 --engines off bf16:16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from e2e import DECODE_TOKENS, WARMUP_TOKENS, decode_seconds, engine_spec, random_prompt  # noqa: E402
+
+KV_BYTES_PER_TOKEN = {"bf16": 128 * 1024, "fp8": 64 * 1024}  # Llama-3-8B: 32 layers, 8 KV heads
+
+
+def parse_engine(name: str) -> tuple[str, float | None]:
+    """``off`` / ``fp8-off`` (tier off), ``bf16:BANK_GIB`` / ``fp8:BANK_GIB`` (tier on)."""
+    kv, _, bank = name.partition(":")
+    kv = "bf16" if kv == "off" else kv.removesuffix("-off")
+    return kv, float(bank) if bank else None
+
+
+def spec_for(name: str, max_len: int, host_gib: float) -> dict:
+    kv, bank = parse_engine(name)
+    kw = engine_spec("3k-fast", max_len)
+    if kv == "fp8":
+        kw["kv_cache_dtype"] = "fp8"
+    if bank is not None:
+        hip = dict(kw["additional_config"]["infinitehip"])
+        hip["offload"] = {"enabled": True, "host_gib": host_gib, "bank_gib": bank}
+        kw["additional_config"] = {"infinitehip": hip}
+    return kw
+
+
+def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gib: float,
+               budget_s: float) -> list[dict]:  # fmt: skip
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_infinitehip.metrics import collect_stats
+
+    kv, bank = parse_engine(name)
+    t_start = time.perf_counter()
+    llm = LLM(model, **spec_for(name, max_len, host_gib))
+    init_s = time.perf_counter() - t_start
+
+    def call(prompts, max_tokens):
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        t = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
+                            use_tqdm=False)  # fmt: skip
+        return time.perf_counter() - t, outs
+
+    call([random_prompt(WARMUP_TOKENS, 1)], 8)  # compiles the kernels; not timed
+    rows = []
+    for ctx in contexts:
+        if time.perf_counter() - t_start > budget_s:
+            print(f"[offload] {name}: time budget spent before {ctx}", flush=True)
+            break
+        prompt = random_prompt(ctx - 1, ctx)
+        wall, outs = call([prompt], 1)
+        m = outs[0].metrics
+        prefill = (m.first_token_ts - m.scheduled_ts) if m and m.first_token_ts else wall
+        _, outs = call([prompt], DECODE_TOKENS + 1)
+        tokens = list(outs[0].outputs[0].token_ids)
+        llm.collective_rpc(collect_stats, kwargs={"reset": True})
+        decode = DECODE_TOKENS / decode_seconds(call, [prompt])
+        stats = llm.collective_rpc(collect_stats, kwargs={"reset": True})[0]
+        tier = stats.get("tier", {})
+        rows.append({
+            "context": ctx, "kv_dtype": kv, "offload": bank is not None, "bank_gib": bank,
+            "host_kv_gib": round(ctx * KV_BYTES_PER_TOKEN[kv] / 2**30, 1) if bank else 0.0,
+            "engine": name, "init_s": round(init_s, 1), "decode_tok_s": round(decode, 1),
+            "prefill_s": round(prefill, 2),
+            "hit_ratio_mask": _round(tier.get("hit_ratio_promote")),
+            "hit_ratio_attn": _round(tier.get("hit_ratio_attn")),
+            "hit_ratio_attn_refresh": _round(tier.get("hit_ratio_attn_refresh")),
+            "hit_ratio_attn_reuse": _round(tier.get("hit_ratio_attn_reuse")),
+            "host_bytes_per_step": round(tier["host_bytes_per_step"]) if tier else 0,
+            "tokens": tokens,
+        })  # fmt: skip
+        print(f"[offload] {({k: v for k, v in rows[-1].items() if k != 'tokens'})}", flush=True)
+    return rows
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def compare(rows: list[dict]) -> None:
+    """``greedy_equal_to_tier_off`` and the decode ratio against the tier-off row of the same
+    context and KV dtype."""
+    off = {(r["context"], r["kv_dtype"]): r for r in rows if not r["offload"]}
+    for r in rows:
+        base = off.get((r["context"], r["kv_dtype"]))
+        r["greedy_equal_to_tier_off"] = (r["tokens"] == base["tokens"]) if base else None
+        r["decode_ratio_vs_tier_off"] = (
+            round(r["decode_tok_s"] / base["decode_tok_s"], 3) if base else None
+        )
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for engine in sorted({r["engine"] for r in rows}):
+        pts = sorted((r["context"], r["decode_tok_s"]) for r in rows if r["engine"] == engine)
+        ax.plot([c / 1024 for c, _ in pts], [v for _, v in pts], "-o", label=engine)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (K tokens)")
+    ax.set_ylabel("decode tokens / s (batch 1)")
+    ax.set_title("Host KV tier: Llama-3-8B (dummy weights), one H200, vLLM 0.26")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, title="KV dtype : bank GiB")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+COLUMNS = ["context", "kv_dtype", "offload", "bank_gib", "host_kv_gib", "prefill_s",
+           "decode_tok_s", "decode_ratio_vs_tier_off", "hit_ratio_mask", "hit_ratio_attn",
+           "host_bytes_per_step", "greedy_equal_to_tier_off"]  # fmt: skip
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in sorted(rows, key=lambda r: (r["context"], r["kv_dtype"], r["offload"])):
+        lines.append("| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in COLUMNS)
+                     + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="/tmp/devbundle-models/model-llama3-8b-config")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[524288])
+    ap.add_argument("--engines", nargs="+", default=["off", "bf16:16"],
+                    help="off, fp8-off, bf16:BANK_GIB, fp8:BANK_GIB")
+    ap.add_argument("--host-gib", type=float, default=80.0, help="host KV with the tier on")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="per engine")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--merge", action="store_true", help="keep rows already in today's file")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    max_len = args.max_model_len or max(args.contexts) + 256
+
+    if args.worker:
+        name, out = args.worker.split("=", 1)
+        rows = run_engine(args.model, name, args.contexts, max_len, args.host_gib, args.budget_s)
+        Path(out).write_text(json.dumps(rows))
+        return
+
+    import torch
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    path = out_dir / f"offload-gpu-{date}.json"
+    rows: list[dict] = []
+    if args.merge and path.exists():
+        rows = json.loads(path.read_text())["rows"]
+    for name in args.engines:
+        tmp = out_dir / f".offload-{name.replace(':', '_')}.json"
+        cmd = [sys.executable, __file__, "--worker", f"{name}={tmp}", *sys.argv[1:]]
+        proc = subprocess.run(cmd)
+        if not tmp.exists():
+            print(f"[offload] {name}: engine failed (exit {proc.returncode})", flush=True)
+            continue
+        new = json.loads(tmp.read_text())
+        tmp.unlink()
+        done = {(r["engine"], r["context"]) for r in new}
+        rows = [r for r in rows if (r["engine"], r["context"]) not in done] + new
+        compare(rows)
+        result = {"name": "offload", "date": date, "gpu": torch.cuda.get_device_name(0),
+                  "command": "python benchmarks/offload.py " + " ".join(sys.argv[1:]),
+                  "notes": "compiling warm-up call excluded; decode from two calls on a "
+                           "prefix-cache hit; tier counters over the timed decode calls",
+                  "rows": rows}  # fmt: skip
+        path.write_text(json.dumps(result, indent=1))
+        plot(rows, path.with_suffix(".png"))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
