@@ -104,16 +104,21 @@ def refresh_masks_reference(
     rows: DecodeRows,
     scale: float,
     bank: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> None:
     """What ``triton_decode.refresh_masks`` computes, with :func:`reference.run_stages` per row
-    (keys read through ``bank`` as :func:`reference.gather_paged_kv` does)."""
+    (keys read through ``bank`` and an fp8 cache dequantized with ``k_scale``, as
+    :func:`reference.gather_paged_kv` does)."""
     n = len(params.stages)
     for b, (slot, level, seq_len) in enumerate(
         zip(rows.slots.tolist(), rows.levels.tolist(), rows.seq_lens.tolist())
     ):
         if slot < 0 or level < 0 or level >= n:
             continue
-        k, _ = ref.gather_paged_kv(kv_cache, rows.block_table[b], seq_len, bank)
+        k, _ = ref.gather_paged_kv(kv_cache, rows.block_table[b], seq_len, bank,
+                                   k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         pos = torch.tensor([seq_len - 1], device=q.device)
         start_input = None
         if level > 0:
@@ -141,16 +146,21 @@ def attend_reference(
     rows: DecodeRows,
     scale: float,
     bank: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Decode attention of every row: dense for rows without a slot, block-sparse over the
     slot's final blocks otherwise. Returns ``[B, H_q, D]`` and the (query, key) pairs the
-    sparse rows attended. ``bank``: read through the host tier's GPU cache, as the kernels do."""
+    sparse rows attended. ``bank``: read through the host tier's GPU cache, as the kernels do;
+    ``k_scale`` / ``v_scale`` dequantize an fp8 cache (:func:`reference.gather_paged_kv`)."""
     out = torch.zeros_like(q)
     attended = 0
     for b, (slot, seq_len) in enumerate(zip(rows.slots.tolist(), rows.seq_lens.tolist())):
         if seq_len <= 0:
             continue
-        k, v = ref.gather_paged_kv(kv_cache, rows.block_table[b], seq_len, bank)
+        k, v = ref.gather_paged_kv(kv_cache, rows.block_table[b], seq_len, bank,
+                                   k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         pos = torch.tensor([seq_len - 1], device=q.device)
         if slot < 0:
             out[b : b + 1] = ref.dense_attention(q[b : b + 1], k, v, pos, scale)

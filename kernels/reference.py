@@ -102,36 +102,105 @@ class PruneResult:
 
 
 # --------------------------------------------------------------------------- paged KV access
+# vLLM's ``--kv-cache-dtype fp8`` (e4m3): the cache is allocated as uint8 and the backends view
+# it as float8_e4m3fn; a layer's ``_k_scale`` / ``_v_scale`` (float32) dequantize it.
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+
+
+def is_fp8_cache(kv_cache: torch.Tensor) -> bool:
+    """Whether ``kv_cache`` holds fp8 e4m3 values (vLLM's uint8 storage or the fp8 view)."""
+    return kv_cache.dtype in (torch.uint8, FP8_DTYPE)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as its bytes: indexing and ``where`` work on uint8 on every device."""
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
+def _scale_of(scale: float | torch.Tensor | None, name: str, device: torch.device) -> torch.Tensor:
+    if scale is None:
+        raise ValueError(f"an fp8 KV cache needs {name} (the layer's _{name}) to be dequantized")
+    return torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(())
+
+
+def dequantize_fp8(
+    stored: torch.Tensor, scale: float | torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``float32(stored) * scale`` (what every kernel computes on load), then ``out_dtype``."""
+    x = stored.view(FP8_DTYPE).float() * _scale_of(scale, "scale", stored.device)
+    return x.to(out_dtype)
+
+
+def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """``x / scale`` as e4m3, saturated at +-448 like vLLM's cache write on the GPU (Triton's
+    fp32 -> fp8 store is ``satfinite``; torch's cast would turn an overflow into NaN)."""
+    x = x.float() / _scale_of(scale, "scale", x.device)
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
 def gather_paged_kv(
     kv_cache: torch.Tensor,
     block_table_row: torch.Tensor,
     seq_len: int,
     bank: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one request as contiguous ``[seq_len, H_kv, D]`` tensors.
 
     ``kv_cache`` is this plugin's layout ``[num_blocks, 2, block_size, H_kv, D]``. With
     ``bank = (pages, table)`` (the host tier's GPU cache, as the kernels take it) a page whose
     ``table`` entry holds a slot is read from ``pages`` instead.
+
+    An fp8 cache (uint8 storage or float8_e4m3fn; the bank's pages in the same dtype) is
+    dequantized after the bank/cache choice: ``float32(stored) * k_scale`` (``v_scale`` for V),
+    as the kernels do on load, returned in ``out_dtype`` (default float32, the dtype the kernels
+    hold dequantized rows in until their products). Other caches ignore the scales (vLLM's
+    layers carry scales of 1 whatever the cache dtype) and return the cache's dtype, or
+    ``out_dtype`` when given.
     """
+    fp8 = is_fp8_cache(kv_cache)
+    if fp8:  # fail before any work, and on the caller's line
+        k_scale = _scale_of(k_scale, "k_scale", kv_cache.device)
+        v_scale = _scale_of(v_scale, "v_scale", kv_cache.device)
     block_size = kv_cache.shape[2]
     n_blocks = (seq_len + block_size - 1) // block_size
     blocks = block_table_row[:n_blocks].long()
-    kv = kv_cache.index_select(0, blocks)  # [n, 2, bs, H, D]
+    kv = _bytes(kv_cache).index_select(0, blocks)  # [n, 2, bs, H, D]
     if bank is not None:
         pages, table = bank
         slot = table[blocks].long()
         resident = (slot >= 0).view(-1, 1, 1, 1, 1)
-        kv = torch.where(resident, pages.index_select(0, slot.clamp(min=0)), kv)
+        kv = torch.where(resident, _bytes(pages).index_select(0, slot.clamp(min=0)), kv)
     k = kv[:, 0].reshape(n_blocks * block_size, *kv.shape[-2:])[:seq_len]
     v = kv[:, 1].reshape(n_blocks * block_size, *kv.shape[-2:])[:seq_len]
+    if fp8:
+        out_dtype = out_dtype or torch.float32
+        return dequantize_fp8(k, k_scale, out_dtype), dequantize_fp8(v, v_scale, out_dtype)
+    if out_dtype is not None:
+        k, v = k.to(out_dtype), v.to(out_dtype)
     return k, v
 
 
 def write_paged_kv(
-    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> None:
-    """Store new tokens' K/V at their slots; negative slots (padding) are skipped."""
+    """Store new tokens' K/V at their slots; negative slots (padding) are skipped. An fp8 cache
+    stores :func:`quantize_fp8` of ``key / k_scale`` and ``value / v_scale``, as vLLM's
+    ``triton_reshape_and_cache_flash`` does on the GPU; other caches ignore the scales."""
+    fp8 = is_fp8_cache(kv_cache)
+    if fp8:
+        k_scale = _scale_of(k_scale, "k_scale", kv_cache.device)
+        v_scale = _scale_of(v_scale, "v_scale", kv_cache.device)
     n = slot_mapping.shape[0]
     key, value = key[:n], value[:n]
     keep = slot_mapping >= 0
@@ -140,6 +209,11 @@ def write_paged_kv(
     block_size = kv_cache.shape[2]
     slots = slot_mapping.long()
     blocks, offsets = slots // block_size, slots % block_size
+    if fp8:
+        cache = _bytes(kv_cache)
+        cache[blocks, 0, offsets] = _bytes(quantize_fp8(key, k_scale))
+        cache[blocks, 1, offsets] = _bytes(quantize_fp8(value, v_scale))
+        return
     kv_cache[blocks, 0, offsets] = key.to(kv_cache.dtype)
     kv_cache[blocks, 1, offsets] = value.to(kv_cache.dtype)
 

@@ -204,3 +204,103 @@ def test_reads_through_the_host_tier_bank_equal_the_cache():
     got, got_pairs = dec.attend_reference(params, masks[1], q, poisoned, rows, 0.2, bank)
     assert torch.equal(got, want) and got_pairs == pairs
     assert torch.isnan(dec.attend_reference(params, masks[1], q, poisoned, rows, 0.2)[0]).any()
+
+
+# --------------------------------------------------------------------------- fp8 KV cache
+def _e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an fp8 cache holds for ``x`` at ``scale``, written out by hand: x / scale, saturated
+    at the e4m3 maximum (vLLM's GPU write is satfinite), rounded to e4m3."""
+    return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("storage", [torch.uint8, torch.float8_e4m3fn])
+def test_fp8_paged_write_and_gather_roundtrip(storage):
+    g = torch.Generator().manual_seed(1)
+    n_blocks, block_size, hkv, d, t = 12, 16, 2, 8, 70
+    k_scale, v_scale = 0.5, torch.tensor([2.0])  # a float and a layer-like [1] tensor
+    cache = torch.full((n_blocks, 2, block_size, hkv, d), 0x11, dtype=torch.uint8).view(storage)
+    table = torch.randperm(n_blocks, generator=g)[: (t + block_size - 1) // block_size]
+    k = 40 * torch.randn(t, hkv, d, generator=g)
+    v = 40 * torch.randn(t, hkv, d, generator=g)
+    k[0, 0, 0], v[1, 1, 1] = 1e6, -1e6  # past 448 * scale: saturates, never NaN
+    slots = table[torch.arange(t) // block_size] * block_size + torch.arange(t) % block_size
+    before = cache.view(torch.uint8).clone()
+    ref.write_paged_kv(cache, torch.cat([k, k[:2]]), torch.cat([v, v[:2]]),
+                       torch.cat([slots, torch.tensor([-1, -1])]),
+                       k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    assert cache.dtype == storage
+    written = torch.zeros(n_blocks * block_size, dtype=torch.bool)
+    written[slots] = True
+    untouched = ~written.view(n_blocks, 1, block_size, 1, 1).expand_as(before)
+    assert torch.equal(cache.view(torch.uint8)[untouched], before[untouched])  # padding skipped
+
+    k2, v2 = ref.gather_paged_kv(cache, table, t, k_scale=k_scale, v_scale=v_scale)
+    assert k2.dtype == v2.dtype == torch.float32
+    assert torch.equal(k2, _e4m3(k, 0.5).float() * 0.5)
+    assert torch.equal(v2, _e4m3(v, 2.0).float() * 2.0)
+    assert k2[0, 0, 0] == 448 * 0.5 and v2[1, 1, 1] == -448 * 2.0
+    # e4m3 keeps 3 mantissa bits: within 2^-4 relative of what was written (below saturation)
+    fine = (k.abs() < 200) & (k.abs() > 1)
+    assert bool(((k2 - k).abs()[fine] <= k.abs()[fine] / 16).all())
+    k16, _ = ref.gather_paged_kv(cache, table, t, k_scale=k_scale, v_scale=v_scale,
+                                 out_dtype=torch.float16)  # fmt: skip
+    assert k16.dtype == torch.float16 and torch.equal(k16, k2.half())
+    with pytest.raises(ValueError, match="v_scale"):
+        ref.gather_paged_kv(cache, table, t, k_scale=k_scale)
+    with pytest.raises(ValueError, match="k_scale"):
+        ref.write_paged_kv(cache, k, v, slots)
+    # a cache that is not fp8 ignores the scales (vLLM's layers carry 1.0 for them)
+    plain = torch.zeros(n_blocks, 2, block_size, hkv, d)
+    ref.write_paged_kv(plain, k, v, slots, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(ref.gather_paged_kv(plain, table, t, k_scale=3.0, v_scale=3.0)[0], k)
+
+
+def test_fp8_reads_through_the_bank_and_decode_references_dequantize():
+    """An fp8 cache with fp8 bank pages: gathers through the bank equal the cache's (its
+    resident pages poisoned with NaN bytes); the decode reference's masks and attention on the
+    fp8 cache equal those on the dequantized fp32 cache."""
+    from vllm_infinitehip.kernels import decode as dec
+
+    gen = torch.Generator().manual_seed(6)
+    page, hkv, d, hq = 16, 2, 32, 4
+    seq_lens = [900, 300]
+    n_pages = sum(-(-s // page) for s in seq_lens) + 2
+    scales = torch.tensor([0.5, 2.0]).view(1, 2, 1, 1, 1)
+    stored = (3 * torch.randn(n_pages, 2, page, hkv, d, generator=gen) / scales).to(
+        torch.float8_e4m3fn
+    )
+    deq = stored.float() * scales
+    stored = stored.view(torch.uint8)  # vLLM's storage
+    perm = torch.randperm(n_pages, generator=gen)
+    table = torch.stack([perm[:57], torch.cat([perm[57:76], perm[:38]])]).int()
+    resident = torch.randperm(n_pages, generator=gen)[: n_pages // 2]
+    slots = torch.randperm(n_pages // 2 + 1, generator=gen)[: n_pages // 2]
+    pages = torch.zeros(n_pages // 2 + 1, 2, page, hkv, d, dtype=torch.uint8)
+    pages[slots] = stored[resident]
+    residency = torch.full((n_pages,), -1, dtype=torch.int32)
+    residency[resident] = slots.int()
+    bank = (pages, residency)
+    poisoned = stored.clone()
+    poisoned[resident] = 0x7F  # NaN in e4m3fn
+    sc = dict(k_scale=torch.tensor([0.5]), v_scale=torch.tensor([2.0]))
+    for b, s in enumerate(seq_lens):
+        want = ref.gather_paged_kv(deq, table[b], s)
+        for got, w in zip(ref.gather_paged_kv(poisoned, table[b], s, bank, **sc), want):
+            assert torch.equal(got, w)
+        assert torch.isnan(ref.gather_paged_kv(poisoned, table[b], s, **sc)[0]).any()
+
+    stages = (ref.StageParams(64, 512, 32, 4), ref.StageParams(8, 64, 32, 1))
+    params = ref.PruneParams(sink_tokens=16, window_tokens=64, stages=stages)
+    q = torch.randn(2, hq, d, generator=gen)
+    i32 = dict(dtype=torch.int32)
+    rows = dec.DecodeRows(table, torch.tensor(seq_lens, **i32), torch.tensor([0, -1], **i32),
+                          torch.tensor([0, -1], **i32))  # fmt: skip
+    masks = [dec.DecodeMasks.allocate(params, 64, 2, torch.device("cpu")) for _ in range(2)]
+    dec.refresh_masks_reference(params, masks[0], q, deq, rows, 0.2)
+    dec.refresh_masks_reference(params, masks[1], q, poisoned, rows, 0.2, bank, **sc)
+    assert torch.equal(masks[0].final, masks[1].final) and int(masks[0].counts[0, -1]) == 8
+    want, pairs = dec.attend_reference(params, masks[0], q, deq, rows, 0.2)
+    got, got_pairs = dec.attend_reference(params, masks[1], q, poisoned, rows, 0.2, bank, **sc)
+    assert torch.equal(got, want) and got_pairs == pairs
+    with pytest.raises(ValueError, match="k_scale"):
+        dec.attend_reference(params, masks[1], q, stored, rows, 0.2)
