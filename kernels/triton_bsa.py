@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import FP8_DTYPE, is_fp8_cache
 from .rope import RopeTable
 from .triton_rope import (
     LO_BITS,
@@ -87,13 +88,34 @@ def paged_rows(
 
 
 @triton.jit
-def _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d):
-    """K and V ``[BLOCK_N, BLOCK_D]`` at ``rows`` (:func:`paged_rows`); zeros where ``~ok``."""
+def _load_rows(
+    rows, ok, offs_d, d_ok, stride_kv, stride_d, k_scale, v_scale, KV_FP8: tl.constexpr
+):
+    """K and V ``[BLOCK_N, BLOCK_D]`` at ``rows`` (:func:`paged_rows`); zeros where ``~ok``.
+
+    ``KV_FP8``: the cache holds e4m3 values, dequantized here as ``float32(x) * scale`` (what
+    ``reference.gather_paged_kv`` returns); the rows stay float32 until ``_attend`` casts them
+    to the dot's dtype, as it casts a 16-bit cache's rows."""
     ptrs = rows[:, None] + offs_d[None, :] * stride_d
     mask = ok[:, None] & d_ok[None, :]
     k = tl.load(ptrs, mask=mask, other=0.0)
     v = tl.load(ptrs + stride_kv, mask=mask, other=0.0)
+    if KV_FP8:
+        k = k.to(tl.float32) * k_scale
+        v = v.to(tl.float32) * v_scale
     return k, v
+
+
+@triton.jit
+def _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr):
+    """The layer's K and V dequantization scales (1 for a cache that is not fp8)."""
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    return k_scale, v_scale
 
 
 @triton.jit
@@ -112,13 +134,16 @@ def _load_kv(
     stride_head,
     stride_d,
     PAGE_SIZE: tl.constexpr,
+    k_scale,
+    v_scale,
+    KV_FP8: tl.constexpr,
 ):
     """K and V rows ``[BLOCK_N, BLOCK_D]`` of tokens ``t`` of one request; zeros where ``~ok``."""
     rows = paged_rows(
         kv_ptr, bt_row_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
         kv_ptr, bt_row_ptr, 0, PAGE_SIZE, False,
     )  # fmt: skip
-    return _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d)
+    return _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d, k_scale, v_scale, KV_FP8)
 
 
 @triton.jit
@@ -139,18 +164,23 @@ def _rotate_keys(
     stride_d,
     HALF: tl.constexpr,
     LO_BITS: tl.constexpr,
+    k_scale,
+    KV_FP8: tl.constexpr,
 ):
     """Keys ``k`` (loaded from ``rows``, :func:`paged_rows`) rotated by ``delta`` each, in k's
     dtype.
 
-    The pair partners are a second load of the same rows. The result is rounded back to the
-    cache dtype, as the reference rotates a key in float32 and returns the cache's dtype.
+    The pair partners are a second load of the same rows (dequantized like ``k`` with
+    ``KV_FP8``). The result is rounded back to k's dtype, as the reference rotates a key in
+    float32 and returns the dtype it gathered (the cache's; float32 for an fp8 cache).
     """
     k_pair = tl.load(
         rows[:, None] + partner[None, :] * stride_d,
         mask=ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    if KV_FP8:
+        k_pair = k_pair.to(tl.float32) * k_scale
     cos, sin = delta_cos_sin(
         delta, ok, freq, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, HALF, LO_BITS
     )
@@ -207,6 +237,8 @@ def _decode_split_kernel(
     bank_ptr,
     table_ptr,
     stride_slot,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_qb,
     stride_qh,
     stride_qd,
@@ -245,10 +277,12 @@ def _decode_split_kernel(
     ROT_DIM: tl.constexpr,
     IS_NEOX: tl.constexpr,
     LO_BITS: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    k_scale, v_scale = _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
 
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     pos = seq_len - 1
@@ -336,7 +370,7 @@ def _decode_split_kernel(
             kv_ptr, bt_row, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
             bank_ptr, table_ptr, stride_slot, PAGE_SIZE, HAS_BANK,
         )  # fmt: skip
-        k, v = _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d)
+        k, v = _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d, k_scale, v_scale, KV_FP8)
         if STREAMING:
             far = ok & ((vi < sink_len) | ~in_sw)
             if tl.max(far.to(tl.int32), axis=0) > 0:  # window-only tiles keep true positions
@@ -345,6 +379,7 @@ def _decode_split_kernel(
                 k = _rotate_keys(
                     k, rows, far, d_ok, delta, partner, freq, sign, rot, rope_hi_ptr,
                     rope_lo_ptr, rope_bias, rope_n_hi, stride_d, ROT_DIM // 2, LO_BITS,
+                    k_scale, KV_FP8,
                 )  # fmt: skip
         acc, m_i, l_i = _attend(
             q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
@@ -447,6 +482,9 @@ def _prefill_streaming(
     ROT_DIM: tl.constexpr,
     IS_NEOX: tl.constexpr,
     LO_BITS: tl.constexpr,
+    k_scale,
+    v_scale,
+    KV_FP8: tl.constexpr,
 ):
     """One query block over the key set of ``reference._streaming_attention`` (§2 StreamingLLM).
 
@@ -473,11 +511,11 @@ def _prefill_streaming(
             kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
             kv_ptr, bt_ptr, 0, PAGE_SIZE, False,
         )  # fmt: skip
-        k, v = _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d)
+        k, v = _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d, k_scale, v_scale, KV_FP8)
         delta = tl.maximum(sel_slot0 + vi + first, 0) - t
         k = _rotate_keys(
             k, rows, ok, d_ok, delta, partner, freq, sign, rot, rope_hi_ptr, rope_lo_ptr,
-            rope_bias, rope_n_hi, stride_d, ROT_DIM // 2, LO_BITS,
+            rope_bias, rope_n_hi, stride_d, ROT_DIM // 2, LO_BITS, k_scale, KV_FP8,
         )  # fmt: skip
         acc, m_i, l_i = _attend(
             q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
@@ -493,11 +531,11 @@ def _prefill_streaming(
             kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
             kv_ptr, bt_ptr, 0, PAGE_SIZE, False,
         )  # fmt: skip
-        k, v = _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d)
+        k, v = _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d, k_scale, v_scale, KV_FP8)
         delta = tl.maximum(t + first, 0) - t
         k = _rotate_keys(
             k, rows, ok, d_ok, delta, partner, freq, sign, rot, rope_hi_ptr, rope_lo_ptr,
-            rope_bias, rope_n_hi, stride_d, ROT_DIM // 2, LO_BITS,
+            rope_bias, rope_n_hi, stride_d, ROT_DIM // 2, LO_BITS, k_scale, KV_FP8,
         )  # fmt: skip
         acc, m_i, l_i = _attend(
             q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
@@ -511,6 +549,7 @@ def _prefill_streaming(
         k, v = _load_kv(
             kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
             stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+            k_scale, v_scale, KV_FP8,
         )  # fmt: skip
         valid = ok[None, :] & (t[None, :] <= pos[:, None])
         acc, m_i, l_i = _attend(
@@ -530,6 +569,8 @@ def _prefill_kernel(
     out_ptr,
     rope_hi_ptr,
     rope_lo_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_qn,
     stride_qh,
     stride_qd,
@@ -567,10 +608,12 @@ def _prefill_kernel(
     ROT_DIM: tl.constexpr,
     IS_NEOX: tl.constexpr,
     LO_BITS: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     qb = tl.program_id(0)
     h = tl.program_id(1)
     kv_head = h // GROUP
+    k_scale, v_scale = _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
 
     offs_m = tl.arange(0, BLOCK_Q)
     qi = qb * BLOCK_SIZE_Q + offs_m
@@ -600,6 +643,7 @@ def _prefill_kernel(
             stride_page, stride_kv, stride_tok, stride_head, stride_d, stride_btp, stride_sk,
             sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale,
             BLOCK_N, BLOCK_K, PAGE_SIZE, USE_SOFT_CAP, DOT_PRECISION, ROT_DIM, IS_NEOX, LO_BITS,
+            k_scale, v_scale, KV_FP8,
         )  # fmt: skip
     else:
         # 1. Selected blocks: outside the sink, outside each query's window (which implies
@@ -616,6 +660,7 @@ def _prefill_kernel(
             k, v = _load_kv(
                 kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
                 stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+                k_scale, v_scale, KV_FP8,
             )  # fmt: skip
             valid = ok[None, :] & (t[None, :] <= pos[:, None] - window_tokens)
             acc, m_i, l_i = _attend(
@@ -631,6 +676,7 @@ def _prefill_kernel(
             k, v = _load_kv(
                 kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
                 stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+                k_scale, v_scale, KV_FP8,
             )  # fmt: skip
             valid = ok[None, :] & (t[None, :] <= pos[:, None])
             acc, m_i, l_i = _attend(
@@ -647,6 +693,7 @@ def _prefill_kernel(
             k, v = _load_kv(
                 kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
                 stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+                k_scale, v_scale, KV_FP8,
             )  # fmt: skip
             valid = (
                 ok[None, :]
@@ -733,6 +780,44 @@ def check_bank(
     return pages, table
 
 
+def _scale_tensor(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A dequantization scale as the kernels read it: float32 ``[1]`` on ``device``. The layer's
+    own ``_k_scale`` / ``_v_scale`` pass through as views (no copy: graph-capturable)."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"a KV scale is one value per layer, got shape {tuple(scale.shape)}")
+        return scale.to(device=device, dtype=torch.float32).reshape(1)
+    return torch.tensor([float(scale)], dtype=torch.float32, device=device)
+
+
+def kv_quant_args(
+    kv_cache: torch.Tensor,
+    k_scale: float | torch.Tensor | None,
+    v_scale: float | torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """``(cache as the kernels read it, k scale, v scale, KV_FP8)``.
+
+    An fp8 cache (vLLM's uint8 storage, or float8_e4m3fn) is viewed as float8_e4m3fn, so that
+    loads give e4m3 values, and must come with both scales. Any other cache ignores the scales
+    (vLLM's layers hold scales of 1 whatever the cache dtype); the cache stands in for them.
+    """
+    if not is_fp8_cache(kv_cache):
+        return kv_cache, kv_cache, kv_cache, False
+    if k_scale is None or v_scale is None:
+        raise ValueError(
+            f"a {kv_cache.dtype} (fp8) KV cache needs k_scale and v_scale (the layer's _k_scale "
+            "and _v_scale) to be dequantized"
+        )
+    device = kv_cache.device
+    return (fp8_view(kv_cache), _scale_tensor(k_scale, device), _scale_tensor(v_scale, device),
+            True)  # fmt: skip
+
+
+def fp8_view(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache (or bank) stored as uint8, viewed as the e4m3 values it holds."""
+    return t.view(FP8_DTYPE) if t.dtype == torch.uint8 else t
+
+
 def _default_num_splits(max_keys: int, block_n: int) -> int:
     """About ``2 * block_n`` keys per split, at most 32 splits. It does not depend on the batch,
     so a row's result is the same in any batch (and in a graph-padded one)."""
@@ -791,6 +876,8 @@ def sparse_decode_attention(
     stats: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     bank: tuple[torch.Tensor, torch.Tensor] | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block-sparse attention of one decode query per request; returns ``[B, Hq, D]`` in q's dtype.
 
@@ -825,10 +912,19 @@ def sparse_decode_attention(
     (int32, one entry per cache page) the slot holding each page or -1. A page with a slot is
     read from the bank, any other from ``kv_cache`` (which may be a GPU view of host memory);
     the result is the same as long as the bank's copies equal the cache's pages.
+
+    An fp8 cache (``--kv-cache-dtype fp8``: uint8 storage of e4m3 values, the bank's pages
+    too) needs ``k_scale`` and ``v_scale`` (the layer's ``_k_scale`` / ``_v_scale``, float32
+    device tensors of one value; read on the device, so graph-capturable): every K and V row is
+    dequantized on load as ``float32(x) * scale``, the result then equals the above on the
+    dequantized cache. Other caches ignore the scales.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     group, d, page_size = _check_kv(q, kv_cache)
+    bank_pages, bank_table = check_bank(bank, kv_cache)
+    kv_cache, k_sc, v_sc, kv_fp8 = kv_quant_args(kv_cache, k_scale, v_scale)
+    bank_pages = fp8_view(bank_pages)
     batch, hq = q.shape[0], q.shape[1]
     hkv = hq // group
     k_max = block_starts.shape[1]
@@ -843,7 +939,6 @@ def sparse_decode_attention(
         return out
     rope_args, rope_meta = _streaming_args(rope, d, block_table.shape[1] * page_size, q)
     hi_t, lo_t, bias, n_hi = rope_args
-    bank_pages, bank_table = check_bank(bank, kv_cache)
     part_o, part_lse = _decode_workspace(batch, hq, num_splits, d, q.device, workspace)
     qk_scale, cap_log2e, inv_cap_scale = _softmax_consts(scale, logit_soft_cap)
     # tl.dot needs at least 16 rows; the padding rows are masked on load and store.
@@ -851,7 +946,7 @@ def sparse_decode_attention(
     _decode_split_kernel[(batch, hkv, num_splits)](
         q, kv_cache, block_table, seq_lens, block_starts, num_valid_blocks,
         seq_lens if row_slots is None else row_slots, seq_lens if stats is None else stats,
-        part_o, part_lse, hi_t, lo_t, bank_pages, bank_table, bank_pages.stride(0),
+        part_o, part_lse, hi_t, lo_t, bank_pages, bank_table, bank_pages.stride(0), k_sc, v_sc,
         *q.stride(), *kv_cache.stride(),
         *block_table.stride(), *block_starts.stride(), num_valid_blocks.stride(0),
         sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale, bias, n_hi,
@@ -859,7 +954,7 @@ def sparse_decode_attention(
         NUM_HEADS=hq, GROUP=group, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         USE_SOFT_CAP=logit_soft_cap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4 if block_d <= 128 else 8, **rope_meta,
+        KV_FP8=kv_fp8, num_warps=4 if block_d <= 128 else 8, **rope_meta,
     )  # fmt: skip
     _decode_merge_kernel[(batch, hq)](
         part_o, part_lse, out, *out.stride(),
@@ -885,6 +980,8 @@ def sparse_prefill_attention(
     logit_soft_cap: float = 0.0,
     out: torch.Tensor | None = None,
     rope: RopeTable | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block-sparse attention of one request's prefill chunk; returns ``[Nq, Hq, D]`` in q's dtype.
 
@@ -899,10 +996,14 @@ def sparse_prefill_attention(
     :func:`sparse_decode_attention`. The result then equals ``reference.sparse_attention`` with a
     ``RopePlan(rope, bsa="streaming")``. Every query of a block sees the same far keys (sink,
     then selected) and the block's window ``(p_min - n_stream, p]``, causal.
+
+    ``k_scale`` / ``v_scale``: an fp8 cache's dequantization, as in
+    :func:`sparse_decode_attention`.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [Nq, Hq, D], got {tuple(q.shape)}")
     group, d, page_size = _check_kv(q, kv_cache)
+    kv_cache, k_sc, v_sc, kv_fp8 = kv_quant_args(kv_cache, k_scale, v_scale)
     nq, hq = q.shape[0], q.shape[1]
     n_qblocks = triton.cdiv(nq, block_size_q)
     if block_starts.shape[0] != n_qblocks or block_valid.shape != block_starts.shape:
@@ -925,13 +1026,13 @@ def sparse_prefill_attention(
     capacity = max(block_table_row.shape[0] * page_size, seq_len)
     (hi_t, lo_t, bias, n_hi), rope_meta = _streaming_args(rope, d, capacity, q)
     _prefill_kernel[(n_qblocks, hq)](
-        q, kv_cache, block_table_row, block_starts, n_valid, out, hi_t, lo_t,
+        q, kv_cache, block_table_row, block_starts, n_valid, out, hi_t, lo_t, k_sc, v_sc,
         *q.stride(), *kv_cache.stride(),
         block_table_row.stride(0), *block_starts.stride(), *out.stride(),
         seq_len, nq, sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale, bias, n_hi,
         GROUP=group, BLOCK_SIZE_Q=block_size_q, BLOCK_Q=block_q, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size,
         USE_SOFT_CAP=logit_soft_cap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4 if block_q <= 64 and block_d <= 128 else 8, **rope_meta,
+        KV_FP8=kv_fp8, num_warps=4 if block_q <= 64 and block_d <= 128 else 8, **rope_meta,
     )  # fmt: skip
     return out

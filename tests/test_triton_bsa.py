@@ -485,6 +485,107 @@ def test_decode_bank_must_match_the_cache_layout():
         tb.sparse_decode_attention(*args, **kw, bank=(pages, res.long()))
 
 
+# --------------------------------------------------------------------------- fp8 KV cache
+FP8_SCALES = (0.5, 2.0)  # (k_scale, v_scale): dequantization must apply each to its own plane
+
+
+def fp8_of(kv: torch.Tensor, k_scale: float, v_scale: float):
+    """vLLM's fp8 cache of ``kv`` (uint8 storage of e4m3 ``x / scale``, per plane) and what it
+    dequantizes to, ``float32(e4m3) * scale``, computed here by hand as the oracle's input."""
+    scales = torch.tensor([k_scale, v_scale], device=kv.device).view(1, 2, 1, 1, 1)
+    e4m3 = (kv.float() / scales).to(torch.float8_e4m3fn)
+    return e4m3.view(torch.uint8), e4m3.float() * scales
+
+
+def layer_scales(device=DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales as vLLM's layers hold them (``_k_scale``, ``_v_scale``: float32 device tensors)."""
+    return tuple(torch.tensor([s], dtype=torch.float32, device=device) for s in FP8_SCALES)
+
+
+@pytest.mark.parametrize("rope", [None, NEOX64], ids=["true-positions", "streaming"])
+def test_decode_fp8_cache_equals_the_dequantized_cache(rope, poisoned_workspace):
+    """Every K/V read is dequantized (sink, window, selected, rotated partners, dense rows):
+    the output is bit-identical to the same kernel on the dequantized fp32 cache, and through
+    a bank of fp8 pages (the host's copies poisoned) too."""
+    gen = torch.Generator().manual_seed(31)
+    seq_lens = [500, 90, 260]
+    kv, table = paged_cache(seq_lens, 16, 2, 64, torch.float32, gen)
+    stored, deq = fp8_of(3 * kv, *FP8_SCALES)
+    rows = [random_starts(s, 12, n, 8, True, gen) for s, n in zip(seq_lens, [9, 3, 12])]
+    starts = torch.stack([r[0] for r in rows]).to(DEVICE)
+    n_valid = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), 8, 64, generator=gen).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([0, -1, 1], dtype=torch.int32, device=DEVICE)  # row 1: dense
+
+    def decode(cache, **kw):
+        return tb.sparse_decode_attention(
+            q, cache, table, lens, starts, n_valid, block_size_k=8, sink_tokens=16,
+            window_tokens=64, scale=0.125, num_splits=3, rope=rope, row_slots=slots, **kw,
+        )  # fmt: skip
+
+    want = decode(deq)
+    k_scale, v_scale = layer_scales()
+    assert torch.equal(decode(stored, k_scale=k_scale, v_scale=v_scale), want)
+    # python floats and the float8 view (not only vLLM's uint8 storage) read the same
+    fp8 = stored.view(torch.float8_e4m3fn)
+    assert torch.equal(decode(fp8, k_scale=FP8_SCALES[0], v_scale=FP8_SCALES[1]), want)
+    # the scales ride along for a cache that is not fp8 and change nothing
+    assert torch.equal(decode(deq, k_scale=k_scale, v_scale=v_scale), want)
+
+    # The bank holds pages in the cache's dtype (uint8). The host's resident pages are poisoned
+    # with 448 (0x7E), not NaN: the interpreter decodes the e4m3fn NaN byte 0x7F as 480.
+    (pages, residency), _ = bank_of(fp8, stored.shape[0] // 2, gen)
+    host, bank = stored.clone(), (pages.view(torch.uint8), residency)
+    host[residency >= 0] = 0x7E
+    assert not torch.allclose(decode(host, k_scale=k_scale, v_scale=v_scale), want)
+    assert torch.equal(decode(host, k_scale=k_scale, v_scale=v_scale, bank=bank), want)
+
+
+@pytest.mark.parametrize(
+    "rope,dtype",
+    [(None, torch.float32), (NEOX64, torch.float32), (None, torch.float16)],
+    ids=["true-positions", "streaming", "fp16-queries"],
+)
+def test_prefill_fp8_cache_equals_the_dequantized_cache(rope, dtype):
+    gen = torch.Generator().manual_seed(32)
+    seq_len, nq, bq, bk = 400, 40, 16, 8
+    kv, table = paged_cache([seq_len], 16, 2, 64, torch.float32, gen)
+    stored, deq = fp8_of(3 * kv, *FP8_SCALES)
+    starts, valid = prefill_selection(nq, bq, seq_len, 10, bk, True, gen)
+    q = torch.randn(nq, 4, 64, generator=gen).to(dtype).to(DEVICE)
+
+    def prefill(cache, **kw):
+        return tb.sparse_prefill_attention(
+            q, cache, table[0], seq_len, starts, valid, block_size_q=bq, block_size_k=bk,
+            sink_tokens=16, window_tokens=48, scale=0.125, rope=rope, **kw,
+        )  # fmt: skip
+
+    want = prefill(deq)
+    k_scale, v_scale = layer_scales()
+    assert torch.equal(prefill(stored, k_scale=k_scale, v_scale=v_scale), want)
+    if rope is None:  # and the dequantized cache gives the reference's output
+        ref_out = expected(q, deq, table[0], seq_len, starts, valid, bq=bq, bk=bk, sink=16,
+                           window=48, scale=0.125)  # fmt: skip
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-3)
+        torch.testing.assert_close(want.float(), ref_out, **tol)
+
+
+def test_fp8_cache_without_scales_is_refused():
+    gen = torch.Generator().manual_seed(33)
+    kv, table = paged_cache([40], 16, 2, 32, torch.float32, gen)
+    stored, _ = fp8_of(kv, *FP8_SCALES)
+    q = torch.randn(1, 4, 32, device=DEVICE)
+    zeros = torch.zeros(1, 4, dtype=torch.int32, device=DEVICE)
+    kw = dict(block_size_k=8, sink_tokens=4, window_tokens=16, scale=0.2)
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        tb.sparse_decode_attention(q, stored, table, torch.tensor([40], device=DEVICE), zeros,
+                                   zeros[:, 0], **kw, k_scale=0.5)  # fmt: skip
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        tb.sparse_prefill_attention(q, stored, table[0], 40, zeros, zeros > 0, block_size_q=16,
+                                    **kw)  # fmt: skip
+
+
 def realistic_inputs(seq_lens: list[int], seed: int):
     gen = torch.Generator().manual_seed(seed)
     hq, hkv, d = 32, 8, 128
@@ -569,3 +670,44 @@ def test_gpu_realistic_prefill_bf16():
         bq=bq, bk=bk, sink=sink, window=window, scale=d**-0.5,
     )  # fmt: skip
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=1e-2)
+
+
+@gpu
+def test_gpu_realistic_decode_fp8_cache_in_a_cuda_graph():
+    """Compiled e4m3 loads (``tl.float8e4nv``) at real shapes: an fp8 cache with the layer's
+    scale tensors equals the dequantized bf16-query path, also replayed from a CUDA graph
+    after the scales change (they are read on the device, not baked into the graph)."""
+    sink, window, bk, k_max = 128, 1024, 8, 256
+    seq_lens = [32768, 20000, 1500]
+    gen, hq, kv, table = realistic_inputs(seq_lens, seed=13)
+    d = kv.shape[-1]
+    rows = [grid_starts(s - window, k_max, n, sink, gen) for s, n in zip(seq_lens, [256, 90, 0])]
+    starts = torch.stack([r[0] for r in rows]).to(DEVICE)
+    n_valid = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=DEVICE)
+    q = (2 * torch.randn(len(seq_lens), hq, d, generator=gen)).bfloat16().to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    kw = dict(block_size_k=bk, sink_tokens=sink, window_tokens=window, scale=d**-0.5)
+    k_scale, v_scale = layer_scales()
+    stored, deq = fp8_of(3 * kv.float(), *FP8_SCALES)
+    want = tb.sparse_decode_attention(q, deq, table, lens, starts, n_valid, **kw)
+    got = tb.sparse_decode_attention(q, stored, table, lens, starts, n_valid, **kw,
+                                     k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=1e-6)
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_g = tb.sparse_decode_attention(q, stored, table, lens, starts, n_valid, **kw,
+                                               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    k_scale.fill_(1.0)
+    v_scale.fill_(4.0)
+    graph.replay()
+    scales2 = torch.tensor([1.0, 4.0], device=DEVICE).view(1, 2, 1, 1, 1)
+    deq2 = stored.view(torch.float8_e4m3fn).float() * scales2
+    want2 = tb.sparse_decode_attention(q, deq2, table, lens, starts, n_valid, **kw)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out_g.float(), want2.float(), rtol=0, atol=1e-6)
