@@ -28,6 +28,7 @@ import triton.language as tl
 
 from . import reference as ref
 from .rope import RopeTable, rotate
+from .triton_bsa import kv_quant_args
 from .triton_rope import (
     LO_BITS,
     check_layout,
@@ -70,10 +71,14 @@ def _probe_scores(
     ROPE: tl.constexpr,
     HALF: tl.constexpr,
     LO_BITS: tl.constexpr,
+    k_scale,
+    KV_FP8: tl.constexpr,
 ):
     """Per position in ``pos``: max over the block's present queries of q·k at that key.
 
     With ``ROPE`` each key is first rotated by its ``delta`` (cos/sin from the delta tables).
+    With ``KV_FP8`` the keys (and pair partners) are e4m3, dequantized as
+    ``float32(k) * k_scale`` before anything else, so the rest is the fp32-key arithmetic.
     """
     page = tl.load(block_table_ptr + pos // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
     # int64: a large cache spans more than 2**31 elements.
@@ -83,6 +88,8 @@ def _probe_scores(
         mask=mask[:, None] & d_in[None, :],
         other=0.0,
     )
+    if KV_FP8:
+        k = k.to(tl.float32) * k_scale
     if ROPE:
         # The pair partners come from a second load of the same rows (cache hits), which
         # works for any head size, pairing and partial rotary, unlike an in-register shuffle.
@@ -91,6 +98,8 @@ def _probe_scores(
             mask=mask[:, None] & d_in[None, :],
             other=0.0,
         )
+        if KV_FP8:
+            k_pair = k_pair.to(tl.float32) * k_scale
         cos, sin = delta_cos_sin(
             delta, mask, freq, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, HALF, LO_BITS
         )
@@ -141,6 +150,7 @@ def _select_rep_kernel(
     rope_hi_ptr,
     rope_lo_ptr,
     out_ptr,
+    k_scale_ptr,
     n_q,
     n_chunks,
     head_dim,
@@ -178,10 +188,15 @@ def _select_rep_kernel(
     BLOCK_CHUNK: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     blk = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     head = tl.program_id(2)
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+    else:
+        k_scale = 1.0
 
     offs_c = tile * BLOCK_CHUNK + tl.arange(0, BLOCK_CHUNK)
     c_in = offs_c < n_chunks
@@ -247,13 +262,13 @@ def _select_rep_kernel(
                 k_head_ptr, block_table_ptr, p_left, live, q_t, q_absent, offs_d, d_in,
                 stride_kpage, stride_ktok, stride_kd, base - p_left, partner, freq, sign, rot,
                 rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
-                PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM // 2, LO_BITS,
+                PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM // 2, LO_BITS, k_scale, KV_FP8,
             )  # fmt: skip
             s_right = _probe_scores(
                 k_head_ptr, block_table_ptr, p_right, live, q_r_t, q_absent, offs_d, d_in,
                 stride_kpage, stride_ktok, stride_kd, base - p_right, partner, freq, sign, rot,
                 rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
-                PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM // 2, LO_BITS,
+                PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM // 2, LO_BITS, k_scale, KV_FP8,
             )  # fmt: skip
         else:
             # Both halves' probes in one [2 * BLOCK_CHUNK, D] tile: one product per step.
@@ -267,7 +282,7 @@ def _select_rep_kernel(
                 k_head_ptr, block_table_ptr, pos, need, q_t, q_absent, offs_d, d_in,
                 stride_kpage, stride_ktok, stride_kd, delta, partner, freq, sign, rot,
                 rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
-                PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM // 2, LO_BITS,
+                PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM // 2, LO_BITS, k_scale, KV_FP8,
             )  # fmt: skip
             s_left, s_right = tl.split(tl.reshape(s, [BLOCK_CHUNK, 2]))
         # Strictly greater goes left, so a tie descends right, as in the reference.
@@ -284,7 +299,7 @@ def _select_rep_kernel(
             k_head_ptr, block_table_ptr, left, single, q_t, q_absent, offs_d, d_in,
             stride_kpage, stride_ktok, stride_kd, base - left, partner, freq, sign, rot,
             rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
-            PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM // 2, LO_BITS,
+            PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM // 2, LO_BITS, k_scale, KV_FP8,
         )  # fmt: skip
         best = tl.where(single, s_single, best)
     # Invalid chunks were never live nor single, so they still hold -inf.
@@ -324,6 +339,8 @@ def select_rep_scores_paged(
     q_pooled_right: torch.Tensor | None = None,
     key_rotation: tuple[torch.Tensor, RopeTable] | None = None,
     max_abs_delta: int | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SelectRep chunk scores ``[n_blocks, C]`` float32, equal to ``reference.select_rep_scores``.
 
@@ -368,6 +385,11 @@ def select_rep_scores_paged(
     sync once the rotation tables are built (:func:`triton_rope.delta_tables`, cached per table
     and device); ``per_head_out`` (``[n_blocks, H_q, C]`` float32, overwritten) lets a caller
     keep the scratch preallocated.
+
+    An fp8 cache (vLLM's uint8 storage of e4m3 keys) needs ``k_scale`` and ``v_scale`` (the
+    layer's ``_k_scale`` / ``_v_scale``; only K is read here): keys are dequantized on load as
+    ``float32(k) * k_scale``, and the scores equal those over the dequantized cache. Other
+    caches ignore the scales. ``precision="fast"`` does not take fp8 keys.
     """
     if probe not in PROBES:
         raise ValueError(f"probe={probe!r} must be one of {PROBES}")
@@ -385,6 +407,7 @@ def select_rep_scores_paged(
         raise ValueError(f"H_q={hq} must be a multiple of H_kv={hkv}")
     if precision == "fast" and kv_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"precision='fast' needs fp16, bf16 or fp32 keys, not {kv_cache.dtype}")
+    kv_cache, k_sc, _, kv_fp8 = kv_quant_args(kv_cache, k_scale, v_scale)
     c = starts.shape[1]
     if starts.shape != (nb, c) or valid.shape != (nb, c) or key_limit.shape != (nb,):
         raise ValueError(
@@ -443,6 +466,7 @@ def select_rep_scores_paged(
         hi_t,
         lo_t,
         per_head_out,
+        k_sc,
         nq,
         c,
         d,
@@ -469,6 +493,7 @@ def select_rep_scores_paged(
         BLOCK_CHUNK=block_chunk,
         BLOCK_Q=block_q,
         BLOCK_D=block_d,
+        KV_FP8=kv_fp8,
         num_warps=num_warps,
         num_stages=num_stages,
         **rope_meta,
@@ -489,6 +514,8 @@ def run_stages_paged(
     *,
     seq_len: int | None = None,
     precision: str = "fp32",
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> ref.PruneResult:
     """The pruning cascade of :func:`reference.run_stages`, scored by the Triton kernel.
 
@@ -514,6 +541,9 @@ def run_stages_paged(
     stage-1 candidate count, and so the query position ``min(p, C + sw')``, follows
     ``seq_len``. Pass the live length to get the reference's scores (§2, "Caveat"). The
     rotation tables are sized by the block table's capacity and built on the first call.
+
+    ``k_scale`` / ``v_scale``: an fp8 cache's dequantization (:func:`select_rep_scores_paged`);
+    the result then equals :func:`reference.run_stages` on the dequantized keys.
     """
     nq = q.shape[0]
     bq = params.block_size_q
@@ -578,6 +608,8 @@ def run_stages_paged(
             precision=precision,
             q_pooled_right=q_right,
             key_rotation=rotation,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         kept_starts, kept_valid = ref.keep_top_chunks(scores, cand, keep)
         if i == n_stages - 1:

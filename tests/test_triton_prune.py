@@ -533,6 +533,90 @@ def test_run_stages_paged_pruning_none_keeps_cached_positions():
     assert_same_selection(got, want)
 
 
+# --------------------------------------------------------------------------- fp8 KV cache
+def fp8_of(cache: torch.Tensor, k_scale: float, v_scale: float):
+    """vLLM's fp8 cache of ``cache`` (uint8 storage of e4m3 ``x / scale`` per plane) and what
+    it dequantizes to, ``float32(e4m3) * scale``, written out here as the oracle's input."""
+    scales = torch.tensor([k_scale, v_scale], device=cache.device).view(1, 2, 1, 1, 1)
+    e4m3 = (cache.float() / scales).to(torch.float8_e4m3fn)
+    return e4m3.view(torch.uint8), e4m3.float() * scales
+
+
+@pytest.mark.parametrize("style", ["none", "relative", "chunk-indexed"])
+def test_scores_over_an_fp8_cache_equal_the_dequantized_cache(style):
+    """Every probe key (and its rotation partner) is dequantized: the scores are bit-identical
+    to the kernel's over the dequantized fp32 cache, and match the reference's."""
+    t, d, page, hq, hkv, chunk, nq = 300, 32, 16, 4, 2, 16, 20
+    table = RopeTable.default(d, 10000.0)
+    gen = torch.Generator().manual_seed(41 + len(style))
+    k = rotate(8 * torch.randn(t, hkv, d, generator=gen), torch.arange(t), table)
+    cache, block_table = paged_cache(k, page, gen)
+    stored, deq = fp8_of(cache, 0.5, 2.0)
+    qp = ref.pool_queries(torch.randn(nq, hq, d, generator=gen), 16, 4) * d**-0.5
+    nb = qp.shape[0]
+    c = -(-(t - 4) // chunk)
+    starts = 4 + torch.stack([torch.randperm(c, generator=gen) for _ in range(nb)]) * chunk
+    valid = torch.rand(nb, c, generator=gen) > 0.2
+    key_limit = torch.tensor([t, t - 9])
+    kw = {}
+    q_left, q_right = qp, None
+    if style == "relative":
+        q_left, q_right = rotate(qp, 61, table), rotate(qp, 60, table)
+        kw = dict(q_pooled_right=q_right.to(DEVICE),
+                  key_rotation=(torch.zeros(nb, c, dtype=torch.long, device=DEVICE), table))
+    elif style == "chunk-indexed":
+        base = torch.arange(c).view(1, -1) - torch.clamp(key_limit - 1, max=c + 60).view(-1, 1)
+        kw = dict(key_rotation=(base.to(DEVICE), table))
+
+    def scores(kv, **more):
+        return tp.select_rep_scores_paged(
+            q_left.to(DEVICE), kv, block_table, starts.to(DEVICE), valid.to(DEVICE),
+            key_limit.to(DEVICE), chunk_size=chunk, **kw, **more,
+        ).cpu()  # fmt: skip
+
+    want = scores(deq)
+    k_scale, v_scale = (torch.tensor([x], device=DEVICE) for x in (0.5, 2.0))
+    assert torch.equal(scores(stored, k_scale=k_scale, v_scale=v_scale), want)
+    # the reference over the gathered, dequantized keys
+    kk = ref.gather_paged_kv(stored.cpu(), block_table.cpu(), t, k_scale=0.5, v_scale=2.0)[0]
+    cand = ref.Candidates(starts, valid)
+    if style == "none":
+        oracle = ref.select_rep_scores(qp, kk, cand, chunk, key_limit)
+    else:
+        k0 = rotate(kk, -torch.arange(t), table)
+        if style == "relative":
+            oracle = ref.select_rep_scores(q_left, k0, cand, chunk, key_limit,
+                                           q_pooled_right=q_right)  # fmt: skip
+        else:
+            oracle = ref.select_rep_scores(qp, k0, cand, chunk, key_limit,
+                                           chunk_rotation=(base, table))  # fmt: skip
+    assert torch.equal(torch.isneginf(want), torch.isneginf(oracle))
+    fin = torch.isfinite(oracle)
+    torch.testing.assert_close(want[fin], oracle[fin], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        scores(stored)
+    with pytest.raises(ValueError, match="precision='fast'"):
+        scores(stored, k_scale=k_scale, v_scale=v_scale, precision="fast")
+
+
+def test_run_stages_paged_over_an_fp8_cache_equals_reference():
+    t, hq, hkv, d, scale, nq = 700, 4, 2, 32, 0.18, 17
+    table = RopeTable.default(d, 10000.0)
+    gen = torch.Generator().manual_seed(43)
+    k = rotate(8 * torch.randn(t, hkv, d, generator=gen), torch.arange(t), table)
+    cache, block_table = paged_cache(k, 16, gen)
+    stored, deq = fp8_of(cache, 0.5, 2.0)
+    q = torch.randn(nq, hq, d, generator=gen)
+    pos = torch.arange(t - nq, t)
+    params = rope_params("chunk-indexed", "midpoint", table)
+    kk = to_cpu_gathered(deq.cpu(), block_table.cpu(), t)
+    want = ref.run_stages(params, q, kk, pos, scale)
+    assert bool(want.block_valid.any())
+    got = tp.run_stages_paged(params, q.to(DEVICE), stored, block_table, pos.to(DEVICE), scale,
+                              seq_len=t, k_scale=0.5, v_scale=2.0)  # fmt: skip
+    assert_same_selection(got, want)
+
+
 # --------------------------------------------------------------------------- realistic, GPU
 def overlap(got_starts, got_valid, want_starts, want_valid) -> float:
     """Share of the reference's selected (block, start) pairs that ``got`` also selects."""
