@@ -35,7 +35,7 @@ import triton.language as tl
 
 from . import reference as ref
 from .decode import DecodeMasks, DecodeRows
-from .triton_bsa import check_bank, paged_rows
+from .triton_bsa import check_bank, fp8_view, kv_quant_args, paged_rows
 from .triton_rope import (
     LO_BITS,
     check_layout,
@@ -82,9 +82,13 @@ def _probe(
     HALF: tl.constexpr,
     LO_BITS: tl.constexpr,
     HAS_BANK: tl.constexpr,
+    k_scale,
+    KV_FP8: tl.constexpr,
 ):
     """q . k (fp32) of one query at each key position in ``pos``, keys turned by ``delta``.
-    With ``HAS_BANK``, keys of pages the residency table places in the bank are read there."""
+    With ``HAS_BANK``, keys of pages the residency table places in the bank are read there.
+    With ``KV_FP8`` the keys and their pair partners are e4m3 (bank pages too), dequantized
+    as ``float32(k) * k_scale`` before anything else."""
     rows = paged_rows(
         kv_ptr, bt_row, stride_btp, pos, mask, kv_head, stride_kpage, stride_ktok, stride_khead,
         bank_ptr, table_ptr, stride_slot, PAGE_SIZE, HAS_BANK,
@@ -92,8 +96,12 @@ def _probe(
     m2 = mask[:, None] & d_in[None, :]
     k = tl.load(rows[:, None] + offs_d[None, :] * stride_kd, mask=m2, other=0.0)
     k = k.to(tl.float32)
+    if KV_FP8:
+        k = k * k_scale
     if ROPE:
         k_pair = tl.load(rows[:, None] + partner[None, :] * stride_kd, mask=m2, other=0.0)
+        if KV_FP8:
+            k_pair = k_pair.to(tl.float32) * k_scale
         cos, sin = delta_cos_sin(
             delta, mask, freq, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, HALF, LO_BITS
         )
@@ -148,6 +156,7 @@ def _decode_select_kernel(
     bank_ptr,
     table_ptr,
     stride_slot,
+    k_scale_ptr,
     q_scale,
     head_dim,
     sink_tokens,
@@ -179,6 +188,7 @@ def _decode_select_kernel(
     BLOCK_CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_BANK: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -224,6 +234,10 @@ def _decode_select_kernel(
         rot = d_in
         base = offs_c
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+    else:
+        k_scale = 1.0
 
     best_all = tl.full([BLOCK_CHUNK], float("-inf"), tl.float32)
     for g in tl.static_range(HEADS):
@@ -252,13 +266,13 @@ def _decode_select_kernel(
                 kv_ptr, bt_row, stride_btp, p_left, live, kv_head, q, offs_d, d_in,
                 stride_kpage, stride_ktok, stride_khead, stride_kd, base - p_left, partner, freq,
                 sign, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr,
-                stride_slot, PAGE_SIZE, ROPE, ROT_DIM // 2, LO_BITS, HAS_BANK,
+                stride_slot, PAGE_SIZE, ROPE, ROT_DIM // 2, LO_BITS, HAS_BANK, k_scale, KV_FP8,
             )  # fmt: skip
             s_right = _probe(
                 kv_ptr, bt_row, stride_btp, p_right, live, kv_head, q_r, offs_d, d_in,
                 stride_kpage, stride_ktok, stride_khead, stride_kd, base - p_right, partner, freq,
                 sign, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr,
-                stride_slot, PAGE_SIZE, ROPE, ROT_DIM // 2, LO_BITS, HAS_BANK,
+                stride_slot, PAGE_SIZE, ROPE, ROT_DIM // 2, LO_BITS, HAS_BANK, k_scale, KV_FP8,
             )  # fmt: skip
             # Strictly greater goes left, so a tie descends right, as in the reference.
             go_left = s_left > s_right
@@ -272,7 +286,7 @@ def _decode_select_kernel(
                 kv_ptr, bt_row, stride_btp, left, single, kv_head, q, offs_d, d_in,
                 stride_kpage, stride_ktok, stride_khead, stride_kd, base - left, partner, freq,
                 sign, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr,
-                stride_slot, PAGE_SIZE, ROPE, ROT_DIM // 2, LO_BITS, HAS_BANK,
+                stride_slot, PAGE_SIZE, ROPE, ROT_DIM // 2, LO_BITS, HAS_BANK, k_scale, KV_FP8,
             )  # fmt: skip
             best = tl.where(single, s_single, best)
         best_all = tl.maximum(best_all, best)
@@ -452,6 +466,9 @@ def refresh_masks(
     scores: list[torch.Tensor],
     placement: QueryPlacement | None = None,
     bank: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> None:
     """Rerun every stage at or after each row's refresh level, from its stored input (§1.6).
 
@@ -460,7 +477,10 @@ def refresh_masks(
     Launches ``2 * n_stages`` kernels whatever the levels; no host sync, graph-capturable once
     the RoPE tables and ``placement`` are built (:meth:`QueryPlacement.build`). ``bank =
     (pages, table)``: keys are read through the host tier's GPU cache, as in
-    :func:`triton_bsa.sparse_decode_attention` (the stages read K only).
+    :func:`triton_bsa.sparse_decode_attention` (the stages read K only). An fp8 cache needs
+    ``k_scale`` and ``v_scale`` (the layer's ``_k_scale`` / ``_v_scale``; read on the device),
+    as there: keys are dequantized on load, and the masks equal those of
+    :func:`decode.refresh_masks_reference` with the same scales.
     """
     batch, hq, d = q.shape
     if batch == 0:
@@ -482,6 +502,8 @@ def refresh_masks(
         rope_args = (q_left, q_left, 0, 1)
         rope_meta = dict(ROPE_STYLE=ROPE_NONE, ROT_DIM=0, IS_NEOX=True)
     bank_pages, bank_table = check_bank(bank, kv_cache)
+    kv_cache, k_sc, _, kv_fp8 = kv_quant_args(kv_cache, k_scale, v_scale)
+    bank_pages = fp8_view(bank_pages)
     block_d = max(16, triton.next_power_of_2(d))
     block_chunk = 32
     heads = 1  # query heads per program (see the module docstring)
@@ -491,7 +513,7 @@ def refresh_masks(
         _decode_select_kernel[(batch, triton.cdiv(width, block_chunk), hq // heads)](
             q_left, q_left if q_right is None else q_right, kv_cache, rows.block_table,
             rows.seq_lens, rows.slots, rows.levels, cand, masks.counts, masks.widths, scores[i],
-            *rope_args, bank_pages, bank_table, bank_pages.stride(0), q_scale, d,
+            *rope_args, bank_pages, bank_table, bank_pages.stride(0), k_sc, q_scale, d,
             params.sink_tokens, params.scan_window,
             *q_left.stride(), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
             kv_cache.stride(4), *rows.block_table.stride(), cand.stride(0), cand.stride(1),
@@ -499,6 +521,6 @@ def refresh_masks(
             STAGE=i, GROUP=hq // hkv, HEADS=heads, PAGE_SIZE=page_size, CHUNK_SIZE=st.chunk_size,
             N_ITERS=ref.bisect_steps(st.chunk_size), MIDPOINT=params.probe == "midpoint",
             LO_BITS=LO_BITS, BLOCK_CHUNK=block_chunk, BLOCK_D=block_d, HAS_BANK=bank is not None,
-            num_warps=4, **rope_meta,
+            KV_FP8=kv_fp8, num_warps=4, **rope_meta,
         )  # fmt: skip
         top_chunks(scores[i], rows, masks, params, i)

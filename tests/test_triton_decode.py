@@ -236,3 +236,76 @@ def test_cascade_reads_resident_pages_from_the_bank(rope_style):
     assert_masks_equal(masks_from(poisoned, (pages, residency)), want, [0, 1, 2])
     with pytest.raises(AssertionError):  # the poisoned pages are probed
         assert_masks_equal(masks_from(poisoned), want, [0, 1, 2])
+
+
+@pytest.mark.parametrize(
+    "rope_style,k_scale", [(None, 0.5), ("chunk-indexed", -0.5)],
+    ids=["true-positions", "chunk-indexed-negative-k-scale"],
+)
+def test_fp8_cache_cascade_and_attention_equal_reference(rope_style, k_scale):
+    """An fp8 cache (uint8 storage) read through an fp8 bank: the batched cascade stores the
+    reference's masks at mixed levels, and decode attention over them equals the reference's;
+    both dequantize every read.
+
+    A positive k_scale scales every score alike, so it cannot change a mask; a negative one
+    (not something vLLM makes) flips them, so the masks show whether the kernel applies it.
+    """
+    gen = torch.Generator().manual_seed(31 + len(str(rope_style)))
+    hq, hkv, d, page = 4, 2, 32, 16
+    rope = None
+    if rope_style is not None:
+        rope = ref.RopePlan(RopeTable.default(d, 10000.0), pruning=rope_style, bsa="streaming")
+    params = small_params(rope)
+    seq_lens = [1500, 700, 40]  # the last row is dense
+    cache, table, q = batch(seq_lens, hq, hkv, d, page, gen)
+    scales = torch.tensor([k_scale, 2.0]).view(1, 2, 1, 1, 1)
+    stored = (3 * cache / scales).to(torch.float8_e4m3fn).view(torch.uint8)
+    dev = torch.device(DEVICE)
+    sc_cpu = dict(k_scale=torch.tensor([k_scale]), v_scale=torch.tensor([2.0]))
+    k_scale, v_scale = sc_cpu["k_scale"].to(dev), sc_cpu["v_scale"].to(dev)
+    n_pages = stored.shape[0]
+    resident = torch.randperm(n_pages, generator=gen)[: n_pages // 2]
+    slots_of = torch.randperm(n_pages // 2 + 1, generator=gen)[: n_pages // 2]
+    pages = torch.zeros(n_pages // 2 + 1, *stored.shape[1:], dtype=torch.uint8)
+    pages[slots_of] = stored[resident]
+    residency = torch.full((n_pages,), -1, dtype=torch.int32)
+    residency[resident] = slots_of.int()
+    host = stored.clone()
+    host[resident] = 0x7E  # 448: finite (the interpreter has no e4m3 NaN), but far off
+    bank = (pages.to(dev), residency.to(dev))
+    placement = None
+    if rope is not None:
+        placement = td.QueryPlacement.build(rope_style, rope.table, params.scan_window, dev)
+    slots = [1, 0, -1]
+    want = dec.DecodeMasks.allocate(params, 64, 2, torch.device("cpu"))
+    got = dec.DecodeMasks.allocate(params, 64, 2, dev)
+    scores = dec.allocate_scores(dec.stage_widths(params, 2000), 4, dev)
+    for levels in ([0, 0, -1], [2, 1, -1]):
+        rows_cpu = rows_on("cpu", table, seq_lens, slots, levels)
+        dec.refresh_masks_reference(params, want, q, stored, rows_cpu, d**-0.5, **sc_cpu)
+        rows = rows_on(DEVICE, table, seq_lens, slots, levels)
+        td.refresh_masks(params, got, q.to(dev), host.to(dev), rows, d**-0.5, scores, placement,
+                         bank=bank, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        assert_masks_equal(got, want, [0, 1])
+        q = torch.randn(q.shape, generator=gen)
+    assert int(want.counts[1, -1]) == 64 // 8  # the long row was pruned
+
+    out_want, _ = dec.attend_reference(params, want, q, stored, rows_cpu, d**-0.5, **sc_cpu)
+    out = triton_bsa.sparse_decode_attention(
+        q.to(dev), host.to(dev), rows.block_table, rows.seq_lens, got.final, got.final_counts(),
+        block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
+        window_tokens=params.window_tokens, scale=d**-0.5,
+        rope=rope.table if rope is not None else None, row_slots=rows.slots, bank=bank,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    torch.testing.assert_close(out.cpu(), out_want, rtol=2e-4, atol=2e-5)
+    no_bank = triton_bsa.sparse_decode_attention(
+        q.to(dev), host.to(dev), rows.block_table, rows.seq_lens, got.final, got.final_counts(),
+        block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
+        window_tokens=params.window_tokens, scale=d**-0.5,
+        rope=rope.table if rope is not None else None, row_slots=rows.slots,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    assert not torch.allclose(no_bank.cpu(), out_want), "the host's resident pages are read"
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        td.refresh_masks(params, got, q.to(dev), stored.to(dev), rows, d**-0.5, scores, placement)
