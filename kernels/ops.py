@@ -20,17 +20,22 @@ from vllm_infinitehip.kernels import reference as ref
 
 @dataclass
 class RequestKV:
-    """One request's view of a layer's paged KV cache."""
+    """One request's view of a layer's paged KV cache. ``k_scale`` / ``v_scale``: the layer's
+    ``_k_scale`` / ``_v_scale``, which dequantize an fp8 cache (other caches ignore them)."""
 
     kv_cache: torch.Tensor
     block_table_row: torch.Tensor
     seq_len: int
     _kv: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    k_scale: float | torch.Tensor | None = field(default=None, kw_only=True)
+    v_scale: float | torch.Tensor | None = field(default=None, kw_only=True)
 
     def contiguous(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``k, v`` as ``[seq_len, H_kv, D]``, gathered once per request and layer."""
+        """``k, v`` as ``[seq_len, H_kv, D]``, gathered once per request and layer (an fp8
+        cache dequantized, in float32: :func:`reference.gather_paged_kv`)."""
         if self._kv is None:
-            self._kv = ref.gather_paged_kv(self.kv_cache, self.block_table_row, self.seq_len)
+            self._kv = ref.gather_paged_kv(self.kv_cache, self.block_table_row, self.seq_len,
+                                           k_scale=self.k_scale, v_scale=self.v_scale)  # fmt: skip
         return self._kv
 
 
@@ -47,7 +52,8 @@ class DecodeScratch:
 
 class AttentionOps(Protocol):
     """What the backend asks of a device. Pair counts are ints or 0-dim device tensors (the
-    GPU path counts on device, so nothing syncs)."""
+    GPU path counts on device, so nothing syncs). An fp8 cache's scales come with the request
+    (:class:`RequestKV`) in prefill and as ``k_scale`` / ``v_scale`` in decode."""
 
     def dense(self, req: RequestKV, q: torch.Tensor, positions: torch.Tensor,
               scale: float) -> torch.Tensor: ...  # fmt: skip
@@ -61,12 +67,14 @@ class AttentionOps(Protocol):
 
     def refresh_decode(self, params: ref.PruneParams, masks: dec.DecodeMasks, q: torch.Tensor,
                        kv_cache: torch.Tensor, rows: dec.DecodeRows, scale: float,
-                       scratch: DecodeScratch) -> None: ...  # fmt: skip
+                       scratch: DecodeScratch, *, k_scale: float | torch.Tensor | None = None,
+                       v_scale: float | torch.Tensor | None = None) -> None: ...  # fmt: skip
 
     def attend_decode(self, params: ref.PruneParams, masks: dec.DecodeMasks, q: torch.Tensor,
                       kv_cache: torch.Tensor, rows: dec.DecodeRows, scale: float,
                       out: torch.Tensor, pairs: torch.Tensor,
-                      scratch: DecodeScratch) -> None: ...  # fmt: skip
+                      scratch: DecodeScratch, *, k_scale: float | torch.Tensor | None = None,
+                      v_scale: float | torch.Tensor | None = None) -> None: ...  # fmt: skip
 
 
 class ReferenceOps:
@@ -86,11 +94,15 @@ class ReferenceOps:
         out, _, attended = ref.sparse_attention(params, q, k, v, positions, scale, prune=prune)
         return out, attended
 
-    def refresh_decode(self, params, masks, q, kv_cache, rows, scale, scratch):
-        dec.refresh_masks_reference(params, masks, q, kv_cache, rows, scale, scratch.bank)
+    def refresh_decode(self, params, masks, q, kv_cache, rows, scale, scratch, *, k_scale=None,
+                       v_scale=None):  # fmt: skip
+        dec.refresh_masks_reference(params, masks, q, kv_cache, rows, scale, scratch.bank,
+                                    k_scale=k_scale, v_scale=v_scale)  # fmt: skip
 
-    def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch):
-        o, attended = dec.attend_reference(params, masks, q, kv_cache, rows, scale, scratch.bank)
+    def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch, *,
+                      k_scale=None, v_scale=None):  # fmt: skip
+        o, attended = dec.attend_reference(params, masks, q, kv_cache, rows, scale, scratch.bank,
+                                           k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         out.copy_(o)
         context = sum(t for t, s in zip(rows.seq_lens.tolist(), rows.slots.tolist()) if s >= 0)
         pairs += torch.tensor([attended, context], dtype=pairs.dtype)
@@ -107,8 +119,10 @@ class TritonOps:
 
     def dense(self, req, q, positions, scale):
         """vLLM's own FlashAttention over the paged cache where it runs (fp16/bf16 on CUDA,
-        checked once per device by :func:`flash_attention_works`), else a gather and SDPA."""
-        if q.dtype in (torch.float16, torch.bfloat16) and flash_attention_works(q.device):
+        checked once per device and cache kind by :func:`flash_attention_works`), else a gather
+        (an fp8 cache dequantized) and SDPA."""
+        kv_fp8 = ref.is_fp8_cache(req.kv_cache)
+        if q.dtype in (torch.float16, torch.bfloat16) and flash_attention_works(q.device, kv_fp8):
             return _flash_dense(req, q, scale)
         k, v = req.contiguous()
         return ref.dense_attention(q, k, v, positions, scale)
@@ -117,7 +131,8 @@ class TritonOps:
         from vllm_infinitehip.kernels.triton_prune import run_stages_paged
 
         return run_stages_paged(params, q, req.kv_cache, req.block_table_row, positions, scale,
-                                seq_len=req.seq_len, precision=self.precision)  # fmt: skip
+                                seq_len=req.seq_len, precision=self.precision,
+                                k_scale=req.k_scale, v_scale=req.v_scale)  # fmt: skip
 
     def attend(self, params, req, q, positions, scale, prune, slice_end):
         """As the reference; the pair count is the budget (sink, window, selected blocks), an
@@ -136,7 +151,8 @@ class TritonOps:
             prune.block_valid, block_size_q=params.block_size_q,
             block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
             window_tokens=params.window_tokens, scale=scale,
-            rope=params.rope.table if streaming else None,
+            rope=params.rope.table if streaming else None, k_scale=req.k_scale,
+            v_scale=req.v_scale,
         )  # fmt: skip
         blk = torch.arange(q.shape[0], device=q.device) // params.block_size_q
         budget = params.sink_tokens + params.window_tokens
@@ -146,13 +162,16 @@ class TritonOps:
         selected = (n_valid.long() * params.block_size_k)[blk]
         return out, (per_query + selected).sum()
 
-    def refresh_decode(self, params, masks, q, kv_cache, rows, scale, scratch):
+    def refresh_decode(self, params, masks, q, kv_cache, rows, scale, scratch, *, k_scale=None,
+                       v_scale=None):  # fmt: skip
         from vllm_infinitehip.kernels import triton_decode
 
         triton_decode.refresh_masks(params, masks, q, kv_cache, rows, scale, scratch.scores,
-                                    scratch.placement, bank=scratch.bank)  # fmt: skip
+                                    scratch.placement, bank=scratch.bank, k_scale=k_scale,
+                                    v_scale=v_scale)  # fmt: skip
 
-    def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch):
+    def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch, *,
+                      k_scale=None, v_scale=None):  # fmt: skip
         from vllm_infinitehip.kernels import triton_bsa
 
         streaming = params.rope is not None and params.rope.bsa == "streaming"
@@ -161,59 +180,109 @@ class TritonOps:
             block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
             window_tokens=params.window_tokens, scale=scale, out=out,
             rope=params.rope.table if streaming else None, row_slots=rows.slots, stats=pairs,
-            workspace=scratch.workspace, bank=scratch.bank,
+            workspace=scratch.workspace, bank=scratch.bank, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
 
 
+def _descale(scale: float | torch.Tensor, hkv: int, device: torch.device) -> torch.Tensor:
+    """A per-tensor scale as FA3's ``*_descale`` ``[num_seqs, H_kv]`` (vLLM's FA backend
+    expands the layer's scale the same way)."""
+    return torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(1, 1).expand(1, hkv)
+
+
 def _flash_dense(req: RequestKV, q: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last ``len(q)`` positions of one request with vLLM's FA."""
+    """Causal attention of the last ``len(q)`` positions of one request with vLLM's FA.
+
+    An fp8 cache goes through FA3's fp8 path, as in vLLM's own FLASH_ATTN backend: the planes
+    viewed as float8_e4m3fn with ``k_descale`` / ``v_descale`` the layer's scales. FA3 multiplies
+    fp8 by fp8 only, so q is quantized too. vLLM's layer does it with its static ``_q_scale``
+    (1.0 unless calibrated); here it is per call, ``amax|q| / 448``, so nothing saturates. FA3
+    also rounds the softmax weights to fp8 for P·V, so this path is not the Triton kernels'
+    arithmetic (bf16 q, bf16 products): :func:`flash_attention_works` checks it with its own
+    tolerance. Its fp8 output is bf16 whatever q's dtype, hence the buffer and the cast.
+    """
     from vllm.v1.attention.backends.fa_utils import (
         flash_attn_varlen_func,
         get_flash_attn_version,
     )
 
-    n, device = q.shape[0], q.device
-    out = torch.empty_like(q)
+    n, device, dtype = q.shape[0], q.device, q.dtype
+    kv, fp8 = req.kv_cache, ref.is_fp8_cache(req.kv_cache)
+    extra = {}
+    if fp8:
+        hkv = kv.shape[3]
+        kv = kv.view(ref.FP8_DTYPE)
+        if req.k_scale is None or req.v_scale is None:
+            raise ValueError("an fp8 KV cache needs the request's k_scale and v_scale")
+        q_scale = q.abs().amax().float().clamp(min=1e-30) / ref.FP8_MAX
+        q = ref.quantize_fp8(q, q_scale)
+        extra = {
+            "q_descale": _descale(q_scale, hkv, device),
+            "k_descale": _descale(req.k_scale, hkv, device),
+            "v_descale": _descale(req.v_scale, hkv, device),
+        }
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+    else:
+        out = torch.empty_like(q)
     # host-built lengths: prefill runs eagerly, so these small copies are fine
     cu_q = torch.tensor([0, n], dtype=torch.int32, device=device)
     seqused_k = torch.tensor([req.seq_len], dtype=torch.int32, device=device)
     flash_attn_varlen_func(
-        q=q, k=req.kv_cache[:, 0], v=req.kv_cache[:, 1], out=out, cu_seqlens_q=cu_q,
+        q=q, k=kv[:, 0], v=kv[:, 1], out=out, cu_seqlens_q=cu_q,
         max_seqlen_q=n, seqused_k=seqused_k, max_seqlen_k=req.seq_len, softmax_scale=scale,
         causal=True, block_table=req.block_table_row.view(1, -1).to(torch.int32),
-        fa_version=get_flash_attn_version(head_size=q.shape[-1]),
+        fa_version=get_flash_attn_version(head_size=q.shape[-1]), **extra,
     )  # fmt: skip
-    return out
+    return out.to(dtype)
 
 
-# per device: None when vLLM's FlashAttention reads our layout right, else why not
+# per (device, cache kind): None when vLLM's FlashAttention reads our layout right, else why not
 _FLASH_PROBLEM: dict[str, str | None] = {}
+# fp8 through FA3 quantizes q and the softmax weights (see _flash_dense): its error on the
+# check's case is set by e4m3 rounding, not a layout misread (which is off by O(1))
+_FP8_FLASH_TOL = {"max_abs": 0.15, "mean_abs": 0.02}
 
 
-def flash_attention_works(device: torch.device) -> bool:
+def flash_attention_works(device: torch.device, kv_fp8: bool = False) -> bool:
     """Whether vLLM's FlashAttention reads this plugin's cache layout right on ``device``: one
-    small paged case against the reference, once per device. The K and V planes of
-    ``[blocks, 2, block_size, H, D]`` are strided views, which FA's paged path takes; if a
-    build cannot, the backend keeps dense prefill below the dense threshold (logged)."""
+    small paged case against the reference, once per device and cache kind. The K and V planes
+    of ``[blocks, 2, block_size, H, D]`` are strided views, which FA's paged path takes; if a
+    build cannot, the backend keeps dense prefill below the dense threshold (logged).
+
+    ``kv_fp8``: the same for an fp8 cache (vLLM's ``--kv-cache-dtype fp8``), which needs FA3's
+    fp8 path (FA3 on Hopper, as vLLM's own backend requires); elsewhere it is False, and dense
+    prefill over an fp8 cache gathers, dequantizes and runs SDPA."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0": one check
         device = torch.device("cuda", torch.cuda.current_device())
-    key = str(device)
+    key = f"{device}/fp8" if kv_fp8 else str(device)
     if key not in _FLASH_PROBLEM:
         problem: str | None = None
         try:
             gen = torch.Generator(device="cpu").manual_seed(0)
             # device="cpu": vLLM builds models under a CUDA default device
             kv = torch.randn(9, 2, 16, 2, 64, generator=gen, device="cpu")
-            kv = kv.to(device, torch.bfloat16)
             table = torch.tensor([3, 7, 1, 5, 0, 8], dtype=torch.int32, device=device)
-            req = RequestKV(kv, table, 90)
+            if kv_fp8:  # vLLM's storage (uint8), scales that differ per plane
+                stored = torch.stack([ref.quantize_fp8(kv[:, 0], 0.5),
+                                      ref.quantize_fp8(kv[:, 1], 2.0)], dim=1)  # fmt: skip
+                req = RequestKV(stored.view(torch.uint8).to(device), table, 90, k_scale=0.5,
+                                v_scale=2.0)  # fmt: skip
+            else:
+                req = RequestKV(kv.to(device, torch.bfloat16), table, 90)
             q = torch.randn(20, 8, 64, generator=gen, device="cpu").to(device, torch.bfloat16)
-            got = _flash_dense(req, q, 0.125)
+            got = _flash_dense(req, q, 0.125).float()
             k, v = req.contiguous()
             want = ref.dense_attention(q, k, v, torch.arange(70, 90, device=device), 0.125)
-            if not torch.allclose(got.float(), want.float(), atol=2e-2):
-                problem = "its output differs from the reference"
+            err = (got - want.float()).abs()
+            if kv_fp8:
+                ok = bool(err.max() <= _FP8_FLASH_TOL["max_abs"]) and bool(
+                    err.mean() <= _FP8_FLASH_TOL["mean_abs"]
+                )
+            else:
+                ok = torch.allclose(got, want.float(), atol=2e-2)
+            if not ok:
+                problem = f"its output differs from the reference (max {float(err.max()):.3g})"
         except Exception as e:  # noqa: BLE001 - any failure means: do not use it
             problem = f"{type(e).__name__}: {e}"[:300]
         _FLASH_PROBLEM[key] = problem
@@ -221,8 +290,9 @@ def flash_attention_works(device: torch.device) -> bool:
             import logging
 
             logging.getLogger("vllm.vllm_infinitehip").warning(
-                "vLLM's FlashAttention cannot serve this cache layout (%s); dense prefill stays "
-                "below the dense threshold", problem,
+                "vLLM's FlashAttention cannot serve this cache layout%s (%s); dense prefill "
+                "stays below the dense threshold", " with an fp8 KV cache" if kv_fp8 else "",
+                problem,
             )  # fmt: skip
     return _FLASH_PROBLEM[key] is None
 

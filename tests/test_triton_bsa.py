@@ -571,6 +571,67 @@ def test_prefill_fp8_cache_equals_the_dequantized_cache(rope, dtype):
         torch.testing.assert_close(want.float(), ref_out, **tol)
 
 
+def test_ops_over_an_fp8_cache_match_the_reference_through_backend_calls():
+    """The backend's calls with an fp8 cache written by the CPU writer and the layer's scales:
+    TritonOps' prune, attend (a body slice) and decode equal ReferenceOps' (every read
+    dequantized), and ReferenceOps equals itself on the dequantized fp32 cache."""
+    from vllm_infinitehip.kernels import decode as dec
+
+    seq_len, hq, hkv, d, scale, nq, after = 800, 8, 2, 64, 0.125, 40, 24
+    gen = torch.Generator().manual_seed(34)
+    plain, table = paged_cache([seq_len], 16, hkv, d, torch.float32, gen)
+    k, v = ref.gather_paged_kv(plain, table[0], seq_len)
+    t = torch.arange(seq_len, device=DEVICE)
+    slots = table[0][t // 16].long() * 16 + t % 16
+    k_scale, v_scale = layer_scales()
+    stored = torch.zeros(plain.shape, dtype=torch.uint8, device=DEVICE)
+    ref.write_paged_kv(stored, 3 * rotate(k, t, NEOX64), 3 * v, slots, k_scale=k_scale,
+                       v_scale=v_scale)  # fmt: skip
+    deq = stored.view(torch.float8_e4m3fn).float()
+    deq[:, 0] *= FP8_SCALES[0]
+    deq[:, 1] *= FP8_SCALES[1]
+    pos = torch.arange(seq_len - after - nq, seq_len - after, device=DEVICE)
+    q = rotate(torch.randn(nq, hq, d, generator=gen), pos.cpu(), NEOX64).to(DEVICE)
+    stages = (ref.StageParams(32, 256, 16, 4), ref.StageParams(8, 96, 16, 4),
+              ref.StageParams(4, 48, 16, 1))  # fmt: skip
+    params = ref.PruneParams(16, 64, stages, "midpoint", ref.RopePlan(NEOX64, "relative"))
+    req = ops.RequestKV(stored, table[0], seq_len, k_scale=k_scale, v_scale=v_scale)
+    end = seq_len - after
+
+    want_prune = ops.ReferenceOps().prune(params, req, q, pos, scale)
+    want, _ = ops.ReferenceOps().attend(params, req, q, pos, scale, want_prune, end)
+    plain_req = ops.RequestKV(deq, table[0], seq_len)
+    assert torch.equal(ops.ReferenceOps().attend(params, plain_req, q, pos, scale, want_prune,
+                                                 end)[0], want)  # fmt: skip
+    dense = ops.TritonOps().dense(req, q, pos, scale)  # fp32 queries: the gather path
+    assert torch.equal(dense, ops.ReferenceOps().dense(plain_req, q, pos, scale))
+    got_prune = ops.TritonOps().prune(params, req, q, pos, scale)
+    got, _ = ops.TritonOps().attend(params, req, q, pos, scale, got_prune, end)
+    gv = got_prune.block_valid.cpu()
+    assert torch.equal(gv, want_prune.block_valid.cpu())
+    assert torch.equal(got_prune.block_starts.cpu()[gv], want_prune.block_starts.cpu()[gv])
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=1e-4)
+
+    # decode: one sparse row and one dense row, through the ops' keyword scales
+    dparams = ref.PruneParams(16, 64, stages, "midpoint")
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    rows = dec.DecodeRows(table.expand(2, -1).contiguous(), torch.tensor([seq_len, 70], **i32),
+                          torch.tensor([0, -1], **i32), torch.tensor([0, -1], **i32))  # fmt: skip
+    qd = torch.randn(2, hq, d, generator=gen).to(DEVICE)
+    outs = []
+    for impl in (ops.ReferenceOps(), ops.TritonOps()):
+        masks = dec.DecodeMasks.allocate(dparams, 48, 1, torch.device(DEVICE))
+        widths = dec.stage_widths(dparams, seq_len)
+        scratch = ops.DecodeScratch(dec.allocate_scores(widths, 2, torch.device(DEVICE)), None)
+        sc = dict(k_scale=k_scale, v_scale=v_scale)
+        impl.refresh_decode(dparams, masks, qd, stored, rows, scale, scratch, **sc)
+        out, pairs = torch.empty_like(qd), torch.zeros(2, dtype=torch.int64, device=DEVICE)
+        impl.attend_decode(dparams, masks, qd, stored, rows, scale, out, pairs, scratch, **sc)
+        outs.append((masks.final[0, : int(masks.counts[0, -1])].clone(), out))
+    assert outs[0][0].numel() == 12 and torch.equal(outs[0][0], outs[1][0])
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-4)
+
+
 def test_fp8_cache_without_scales_is_refused():
     gen = torch.Generator().manual_seed(33)
     kv, table = paged_cache([40], 16, 2, 32, torch.float32, gen)
@@ -711,3 +772,34 @@ def test_gpu_realistic_decode_fp8_cache_in_a_cuda_graph():
     want2 = tb.sparse_decode_attention(q, deq2, table, lens, starts, n_valid, **kw)
     torch.cuda.synchronize()
     torch.testing.assert_close(out_g.float(), want2.float(), rtol=0, atol=1e-6)
+
+
+@gpu
+def test_gpu_dense_prefill_over_an_fp8_cache():
+    """TritonOps.dense over an fp8 cache: vLLM's FA3 fp8 path where vLLM's own backend has one
+    (FA3 on Hopper; q quantized per call, so e4m3-close, not bit-close), else the gather path.
+    The plain bf16 check keeps its own cache entry."""
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+    works = ops.flash_attention_works(DEVICE, kv_fp8=True)
+    fa3_hopper = torch.cuda.get_device_capability() == (9, 0) and get_flash_attn_version() == 3
+    print(f"\nfp8 FA: works={works} fa3_hopper={fa3_hopper} problem={ops._FLASH_PROBLEM}")
+    if fa3_hopper:
+        assert works, ops._FLASH_PROBLEM
+    assert ops.flash_attention_works(DEVICE)  # the bf16 path is unaffected
+    seq_len, nq = 6000, 512
+    gen, hq, kv, table = realistic_inputs([seq_len], seed=14)
+    d = kv.shape[-1]
+    stored, deq = fp8_of(kv.float(), *FP8_SCALES)
+    k_scale, v_scale = layer_scales()
+    req = ops.RequestKV(stored, table[0], seq_len, k_scale=k_scale, v_scale=v_scale)
+    pos = torch.arange(seq_len - nq, seq_len, device=DEVICE)
+    q = (2 * torch.randn(nq, hq, d, generator=gen)).bfloat16().to(DEVICE)
+    got = ops.TritonOps().dense(req, q, pos, d**-0.5)
+    k, v = ref.gather_paged_kv(deq, table[0], seq_len)
+    want = ref.dense_attention(q.float(), k, v, pos, d**-0.5)
+    err = (got.float() - want).abs()
+    print(f"fp8 dense: max err {float(err.max()):.4f} mean {float(err.mean()):.5f}")
+    assert got.dtype == torch.bfloat16
+    assert float(err.mean()) < 0.01 and float(err.max()) < 0.1
