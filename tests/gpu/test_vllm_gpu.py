@@ -107,3 +107,17 @@ def test_dense_prefill_through_flash_attention_equals_the_dense_backend(tmp_path
     ours = generate(tmp_path, "infinitehip", {**bf16, "additional_config": {"infinitehip": hip}})
     assert ours["report"]["stats"]["sparse_prefill_queries"] == 0
     assert ours["tokens"] == generate(tmp_path, "FLASH_ATTN", bf16)
+
+
+def test_host_tier_on_and_off_give_the_same_greedy_tokens(tmp_path):
+    """The KV in pinned host memory, a bank of 15 pages per layer (each sparse row reads about
+    50), CUDA graphs on: greedy tokens equal the tier off. CPU twin: tests/test_offload_vllm.py."""
+    off = generate(tmp_path, "infinitehip", {**GRAPHS, "additional_config": {"infinitehip": SMALL}},
+                   max_tokens=24)  # fmt: skip
+    tier = {**SMALL, "offload": {"enabled": True, "host_gib": 1, "bank_gib": 2**-12}}
+    on = generate(tmp_path, "infinitehip", {**GRAPHS, "additional_config": {"infinitehip": tier}},
+                  max_tokens=24)  # fmt: skip
+    stats = on["report"]["stats"]
+    assert stats["sparse_decode_queries"] > 0
+    assert stats["tier"]["filled_pages"] > 0 and stats["tier"]["attn_host_pages_reuse"] > 0
+    assert on["tokens"] == off["tokens"]
