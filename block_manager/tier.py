@@ -25,6 +25,8 @@ class HostTier:
     host_bytes: int
     bank_bytes: int
     caches: list[PageCache] = field(default_factory=list)
+    # distinct block ids of each release() call, summed over calls: what the worker reported
+    released_blocks: int = 0
 
     def register(self, cache: PageCache) -> None:
         self.caches.append(cache)
@@ -33,6 +35,7 @@ class HostTier:
         """Forget these blocks in every bank: vLLM freed them (a finished, aborted or preempted
         request) or is about to write them outside attention (zeroing, block copies)."""
         ids = sorted(set(int(b) for b in block_ids))
+        self.released_blocks += len(ids)
         if not ids or not self.caches:
             return
         for cache in self.caches:
