@@ -9,7 +9,9 @@
    routes an explicit ``infinitehip`` choice to our backend and leaves every other choice alone.
 3. There is no config hook for plugins, so :func:`validate_at_config_time` wraps the platform's
    ``check_and_update_config`` (run while ``VllmConfig`` is built, in the user's process) to
-   validate ``additional_config["infinitehip"]`` where the user gave it.
+   validate ``additional_config["infinitehip"]`` where the user gave it, and, with
+   ``infinitehip.offload`` on, to set ``parallel_config.worker_cls`` to the host tier's worker
+   (:func:`use_host_tier_worker`).
 4. vLLM refuses ``--max-model-len`` above the trained length and sizes its rotary cache to it;
    :func:`extend_context_at_engine_args` raises both for infinitehip (see there).
 
@@ -100,11 +102,57 @@ def validate_at_config_time() -> None:
             from vllm_infinitehip.config import InfiniteHiPConfig
 
             # Raises InfiniteHiPConfigError (a ValueError) naming the bad field.
-            InfiniteHiPConfig.from_vllm_config(vllm_config)
+            config = InfiniteHiPConfig.from_vllm_config(vllm_config)
+            if config.offload.enabled:
+                # before the platform's own hook, which turns worker_cls "auto" into its default
+                use_host_tier_worker(vllm_config)
         return original_func(cls, vllm_config)
 
     setattr(check_and_update_config, _PATCHED_MARK, True)
     platform_cls.check_and_update_config = classmethod(check_and_update_config)  # type: ignore
+
+
+HOST_TIER_WORKERS = {
+    "cuda": "vllm_infinitehip.worker.InfiniteHiPWorker",
+    "cpu": "vllm_infinitehip.worker.InfiniteHiPCPUWorker",
+}
+
+
+def use_host_tier_worker(vllm_config: Any) -> None:
+    """Run the host KV tier's worker (``infinitehip.offload``); refuse what cannot go with it.
+
+    A KV connector (``kv_transfer_config``, or ``kv_offloading_size``, which vLLM turns into one
+    after this hook) moves the same KV blocks between tiers of its own, and a user's
+    ``worker_cls`` would be replaced silently; both fail here, in the user's process.
+    """
+    from vllm.platforms import current_platform
+
+    from vllm_infinitehip.config import InfiniteHiPConfigError
+
+    connector = getattr(vllm_config.kv_transfer_config, "kv_connector", None)
+    offloading = getattr(vllm_config.cache_config, "kv_offloading_size", None)
+    if connector is not None or offloading is not None:
+        given = (f"kv_transfer_config.kv_connector={connector!r}" if connector is not None
+                 else f"kv_offloading_size={offloading}")  # fmt: skip
+        raise InfiniteHiPConfigError(
+            f"`infinitehip.offload` cannot run with a KV connector ({given}): both decide where "
+            f"vLLM's KV blocks live. Drop the connector, or turn `infinitehip.offload` off"
+        )
+    kind = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
+    if kind is None:
+        raise InfiniteHiPConfigError(
+            f"`infinitehip.offload` runs on CUDA GPUs and the CPU, not on "
+            f"{current_platform.device_name}"
+        )
+    wanted = HOST_TIER_WORKERS[kind]
+    parallel = vllm_config.parallel_config
+    if parallel.worker_cls not in ("auto", wanted):
+        raise InfiniteHiPConfigError(
+            f"`infinitehip.offload` runs vLLM's KV through its own worker ({wanted}), but "
+            f"worker_cls={parallel.worker_cls!r} is set: drop worker_cls, or turn "
+            f"`infinitehip.offload` off"
+        )
+    parallel.worker_cls = wanted
 
 
 def _chose_infinitehip(engine_args: Any) -> bool:
