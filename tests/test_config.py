@@ -107,3 +107,36 @@ def test_prefill_dense_threshold_rule():
         InfiniteHiPConfig.from_user({"prefill_dense_threshold": "big"})
     with pytest.raises(ValueError, match=r"infinitehip\.scoring_precision"):
         InfiniteHiPConfig.from_user({"scoring_precision": "fp16"})
+
+
+def test_offload_is_off_by_default_and_parses_short_and_long_forms():
+    from vllm_infinitehip.config import OffloadConfig
+
+    assert InfiniteHiPConfig.from_user({}).offload == OffloadConfig(enabled=False)
+    assert InfiniteHiPConfig.from_user({"offload": True}).offload == OffloadConfig(enabled=True)
+    assert InfiniteHiPConfig.from_user({"offload": False}).offload.enabled is False
+    # an object turns it on unless it says otherwise; sizes are GiB, integers accepted
+    c = InfiniteHiPConfig.from_user({"offload": {"host_gib": 64, "bank_gib": 2.5}})
+    assert c.offload == OffloadConfig(enabled=True, host_gib=64.0, bank_gib=2.5)
+    assert InfiniteHiPConfig.from_user({"offload": {"enabled": False, "host_gib": 8}}).offload == (
+        OffloadConfig(enabled=False, host_gib=8.0)
+    )
+    assert InfiniteHiPConfig.from_user({"offload": {"host_gib": None}}).offload.host_gib is None
+    assert InfiniteHiPConfig.from_user(c.to_dict()) == c
+
+
+@pytest.mark.parametrize(
+    "offload, field",
+    [
+        ("yes", "infinitehip.offload"),
+        ({"host_gb": 8}, "infinitehip.offload.host_gb"),
+        ({"enabled": "true"}, "infinitehip.offload.enabled"),
+        ({"host_gib": 0}, "infinitehip.offload.host_gib"),
+        ({"host_gib": True}, "infinitehip.offload.host_gib"),
+        ({"bank_gib": -1}, "infinitehip.offload.bank_gib"),
+        ({"bank_gib": "4"}, "infinitehip.offload.bank_gib"),
+    ],
+)
+def test_bad_offload_config_names_the_field(offload, field):
+    with pytest.raises(InfiniteHiPConfigError, match=rf"`{field}`"):
+        InfiniteHiPConfig.from_user({"offload": offload})

@@ -1,0 +1,462 @@
+"""The host KV tier's vLLM side (``infinitehip.offload``): sizing, the worker, the host store.
+
+Pure parts (tier sizing, block tracking, the host store's CPU path, the KV allocation hook, the
+config-time hook) run without an engine; then bad tier config fails at startup naming the field,
+and one small engine runs with the tier on the CPU: capacity, and the releases after finish,
+abort and preemption, checked against vLLM's own scheduler step by step.
+"""
+
+from __future__ import annotations
+
+import gc
+import mmap
+
+import pytest
+import torch
+from vllm_infinitehip.block_manager.host_store import HostKVStore, mapped_bytes
+
+from tests.conftest import ENGINE_KW, SMALL_HIP
+from vllm_infinitehip.config import InfiniteHiPConfigError, OffloadConfig
+from vllm_infinitehip.worker import BlockOwners, host_kv_allocation, size_host_tier
+
+GIB = 1 << 30
+
+
+# ---------------------------------------------------------------- sizing
+def test_gpu_tier_defaults_to_most_of_the_host_and_all_of_the_profiled_budget():
+    tier = size_host_tier(OffloadConfig(enabled=True), device_budget=30 * GIB,
+                          available_host=100 * GIB)  # fmt: skip
+    assert (tier.host_bytes, tier.bank_bytes) == (80 * GIB, 30 * GIB)
+    # workers of one engine on one machine share its memory
+    tier = size_host_tier(OffloadConfig(enabled=True), device_budget=30 * GIB,
+                          available_host=100 * GIB, workers_on_host=4)  # fmt: skip
+    assert tier.host_bytes == 20 * GIB
+
+
+def test_gpu_tier_takes_explicit_sizes():
+    tier = size_host_tier(OffloadConfig(enabled=True, host_gib=64, bank_gib=2.5),
+                          device_budget=30 * GIB, available_host=100 * GIB)  # fmt: skip
+    assert (tier.host_bytes, tier.bank_bytes) == (64 * GIB, int(2.5 * GIB))
+
+
+def test_gpu_tier_refuses_what_does_not_fit_naming_the_field():
+    with pytest.raises(InfiniteHiPConfigError, match=r"`infinitehip\.offload\.host_gib`=120"):
+        size_host_tier(OffloadConfig(enabled=True, host_gib=120), device_budget=30 * GIB,
+                       available_host=100 * GIB)  # fmt: skip
+    with pytest.raises(InfiniteHiPConfigError, match=r"host_gib`=30 .* per worker, 4 workers"):
+        size_host_tier(OffloadConfig(enabled=True, host_gib=30), device_budget=30 * GIB,
+                       available_host=100 * GIB, workers_on_host=4)  # fmt: skip
+    with pytest.raises(
+        InfiniteHiPConfigError, match=r"`infinitehip\.offload\.bank_gib`=31 .*profiling"
+    ):
+        size_host_tier(OffloadConfig(enabled=True, bank_gib=31), device_budget=30 * GIB,
+                       available_host=100 * GIB)  # fmt: skip
+    with pytest.raises(InfiniteHiPConfigError, match=r"no GPU memory for the bank"):
+        size_host_tier(OffloadConfig(enabled=True), device_budget=0, available_host=100 * GIB)
+
+
+def test_cpu_bank_is_a_share_of_the_tier_and_at_most_all_of_it():
+    tier = size_host_tier(OffloadConfig(enabled=True, host_gib=8), device_budget=GIB,
+                          available_host=100 * GIB, bank_on_host=True)  # fmt: skip
+    assert (tier.host_bytes, tier.bank_bytes) == (8 * GIB, GIB)
+    tier = size_host_tier(OffloadConfig(enabled=True, host_gib=8, bank_gib=8), device_budget=GIB,
+                          available_host=100 * GIB, bank_on_host=True)  # fmt: skip
+    assert tier.bank_bytes == 8 * GIB  # vLLM's own CPU budget does not bound it
+    with pytest.raises(
+        InfiniteHiPConfigError, match=r"`infinitehip\.offload\.bank_gib`=9 .*host_gib"
+    ):
+        size_host_tier(OffloadConfig(enabled=True, host_gib=8, bank_gib=9), device_budget=GIB,
+                       available_host=100 * GIB, bank_on_host=True)  # fmt: skip
+
+
+# ---------------------------------------------------------------- block tracking
+def step(*, new=(), cached=(), resumed=(), finished=(), preempted=None, zero=None, copies=None):
+    """One real ``SchedulerOutput`` of vLLM 0.26: ``new`` = (req_id, block ids per group),
+    ``cached`` = (req_id, new block ids per group or None)."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    so = SchedulerOutput.make_empty()
+    so.scheduled_new_reqs = [
+        NewRequestData(req_id=r, prompt_token_ids=[1], mm_features=[], sampling_params=None,
+                       pooling_params=None, block_ids=b, num_computed_tokens=0, lora_request=None)
+        for r, b in new
+    ]  # fmt: skip
+    so.scheduled_cached_reqs = CachedRequestData.make_empty()
+    so.scheduled_cached_reqs.req_ids = [r for r, _ in cached]
+    so.scheduled_cached_reqs.new_block_ids = [b for _, b in cached]
+    so.scheduled_cached_reqs.resumed_req_ids = set(resumed)
+    so.finished_req_ids = set(finished)
+    so.preempted_req_ids = None if preempted is None else set(preempted)
+    so.new_block_ids_to_zero = zero
+    so.kv_cache_block_copies = None if copies is None else [KVCacheBlockCopy(*c) for c in copies]
+    return so
+
+
+def test_block_owners_release_a_requests_blocks_when_it_finishes():
+    owners = BlockOwners()
+    assert owners.released_by(step(new=[("a", ([1, 2],)), ("b", ([3],))])) == []
+    assert owners.released_by(step(cached=[("a", ([4],)), ("b", None)])) == []
+    assert owners.blocks == {"a": [1, 2, 4], "b": [3]}
+    assert owners.released_by(step(cached=[("b", None)], finished=["a"])) == [1, 2, 4]
+    assert owners.released_by(step(finished=["b", "never-scheduled"])) == [3]
+    assert owners.blocks == {} and not owners.holders
+
+
+def test_block_owners_keep_a_shared_prefix_until_its_last_holder_leaves():
+    owners = BlockOwners()
+    owners.released_by(step(new=[("a", ([1, 2],))]))
+    owners.released_by(step(new=[("b", ([1, 5],))], cached=[("a", None)]))  # prefix hit on 1
+    assert owners.released_by(step(cached=[("b", None)], finished=["a"])) == [2]
+    assert owners.released_by(step(finished=["b"])) == [1, 5]
+
+
+def test_block_owners_release_a_block_freed_and_handed_out_again_in_one_step():
+    owners = BlockOwners()
+    owners.released_by(step(new=[("a", ([1],))]))
+    # vLLM freed a's block and gave it to c in the same scheduling step: new content
+    assert owners.released_by(step(new=[("c", ([1],))], finished=["a"])) == [1]
+    assert owners.blocks == {"c": [1]} and owners.holders == {1: 1}
+
+
+def test_block_owners_follow_preemption_and_resumption():
+    owners = BlockOwners()
+    owners.released_by(step(new=[("a", ([1, 2],)), ("b", ([3],))]))
+    assert owners.released_by(step(cached=[("b", ([4],))], preempted=["a"])) == [1, 2]
+    # resumed: its new list replaces the old one (here the old one is gone already)
+    assert owners.released_by(step(cached=[("a", ([2, 6],)), ("b", None)], resumed=["a"])) == []
+    assert owners.blocks == {"a": [2, 6], "b": [3, 4]}
+    # resumed without a reported preemption (vLLM's forced-preemption path): the old list goes
+    assert owners.released_by(step(cached=[("a", ([7],))], resumed=["a"])) == [2, 6]
+    assert owners.blocks["a"] == [7]
+
+
+def test_block_owners_release_blocks_rewritten_outside_attention():
+    owners = BlockOwners()
+    owners.released_by(step(new=[("a", ([1, 2], [9]))]))  # two KV cache groups, one block pool
+    assert owners.blocks == {"a": [1, 2, 9]}
+    out = owners.released_by(step(cached=[("a", ([3], []))], zero=[3], copies=[(1, 8), (2, 3)]))
+    assert out == [3, 8]
+    assert owners.released_by(step(finished=["a"])) == [1, 2, 3, 9]
+
+
+# ---------------------------------------------------------------- host store
+def test_host_buffers_cost_their_size_rounded_to_a_page_not_a_power_of_two():
+    page = mmap.PAGESIZE
+    assert mapped_bytes(1) == page
+    assert mapped_bytes(5 * page) == 5 * page
+    assert mapped_bytes(5 * page + 1) == 6 * page  # PyTorch's pinned allocator: 8 pages
+    with pytest.raises(ValueError):
+        mapped_bytes(0)
+
+
+def test_host_store_cpu_buffers_are_zeroed_writable_and_outlive_their_caller():
+    store = HostKVStore("cpu")
+    page = mmap.PAGESIZE
+    a = store.zeros(3 * page + 10)
+    b = store.zeros(7)
+    assert (a.dtype, a.shape, a.device.type) == (torch.int8, (3 * page + 10,), "cpu")
+    assert b.shape == (7,) and not a.any() and not b.any()
+    assert store.mapped_bytes == 5 * page
+    a[-1] = 5
+    a_ptr = a.data_ptr()
+    del a
+    gc.collect()
+    again = torch.frombuffer(store._regions[0].mapping, dtype=torch.int8)
+    assert again.data_ptr() == a_ptr and again[3 * page + 9] == 5
+    del again, b
+    store.close()
+    assert store.mapped_bytes == 0
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_host_store_cuda_buffers_are_device_views_of_pinned_host_memory():
+    store = HostKVStore("cuda")
+    page = mmap.PAGESIZE
+    n = 5 * page + 1
+    device_bytes = torch.cuda.memory_allocated()
+    view = store.zeros(n)
+    assert (view.device.type, view.dtype, view.numel()) == ("cuda", torch.int8, n)
+    assert torch.cuda.memory_allocated() == device_bytes  # nothing of it is device memory
+    host = store._regions[0].host
+    assert host.is_pinned() and store.mapped_bytes == 6 * page
+    assert int(view.sum()) == 0
+    view.fill_(3)  # a kernel writes the host's bytes through UVA
+    view[:page].add_(1)
+    torch.cuda.synchronize()
+    assert (host[:page] == 4).all() and (host[page:n] == 3).all() and (host[n:] == 0).all()
+    host[n - 1] = 9  # and reads what the host wrote
+    assert int(view[n - 1]) == 9
+    del view, host
+    store.close()
+    assert store.mapped_bytes == 0
+
+
+def _kv_config(packed: bool):
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    page = spec.page_size_bytes
+    if packed:  # one backing for both layers, interleaved per block
+        tensors = [KVCacheTensor(size=4 * page * 2, shared_by=[layer], offset=i * page,
+                                 block_stride=2 * page) for i, layer in enumerate(layers)]  # fmt: skip
+    else:
+        tensors = [KVCacheTensor(size=4 * page, shared_by=[layer]) for layer in layers]
+    return KVCacheConfig(num_blocks=4, kv_cache_tensors=tensors,
+                         kv_cache_groups=[KVCacheGroupSpec(layers, spec)]), layers  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "packed, device",
+    [
+        (False, "cpu"),
+        (True, "cpu"),
+        pytest.param(True, "cuda", marks=[pytest.mark.gpu, needs_cuda]),
+    ],
+)
+def test_v2_runner_allocates_kv_in_the_host_store_only_while_the_hook_is_open(packed, device):
+    from vllm.v1.worker.gpu import attn_utils
+
+    config, layers = _kv_config(packed)
+    original = attn_utils._allocate_kv_cache
+    store = HostKVStore(device)
+    with host_kv_allocation(None, v2_runner=True, store=store):
+        raw = attn_utils._allocate_kv_cache(config, {}, torch.device(device))
+    assert {t.device.type for t in raw.values()} == {device}
+    assert attn_utils._allocate_kv_cache is original
+    page = config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    assert [raw[layer].numel() for layer in layers] == [t.size for t in config.kv_cache_tensors]
+    assert len(store._regions) == (1 if packed else 2)
+    assert (raw[layers[0]].data_ptr() == raw[layers[1]].data_ptr()) == packed
+    starts = {r.host.data_ptr() for r in store._regions}
+    assert {raw[layer].data_ptr() for layer in layers} <= starts
+    assert store.mapped_bytes == sum(mapped_bytes(4 * page * (2 if packed else 1))
+                                     for _ in range(1 if packed else 2))  # fmt: skip
+    del raw
+    store.close()
+
+
+def test_v1_runner_allocates_kv_in_the_host_store_only_while_the_hook_is_open():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    class V1Runner:  # the two attributes the V1 allocation reads
+        _allocate_kv_cache_tensors = GPUModelRunner._allocate_kv_cache_tensors
+
+        def __init__(self):
+            self.device = torch.device("cpu")
+            self.runner_only_attn_layers: set[str] = set()
+
+    runner = V1Runner()
+    config, layers = _kv_config(packed=False)
+    store = HostKVStore("cpu")
+    with host_kv_allocation(runner, v2_runner=False, store=store):
+        raw = runner._allocate_kv_cache_tensors(config)
+        assert runner.device == torch.device("cpu")
+    assert "_allocate_kv_cache_tensors" not in vars(runner)
+    assert {raw[layer].data_ptr() for layer in layers} == {
+        r.host.data_ptr() for r in store._regions
+    }
+    outside = runner._allocate_kv_cache_tensors(config)
+    assert not {t.data_ptr() for t in outside.values()} & {
+        r.host.data_ptr() for r in store._regions
+    }
+
+
+# ---------------------------------------------------------------- config time
+def _engine_config(tiny_model, hip, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=tiny_model, attention_backend="infinitehip",
+                      additional_config={"infinitehip": hip}, max_model_len=4096, **kw)  # fmt: skip
+    return args.create_engine_config()
+
+
+def test_offload_selects_the_host_tier_worker_and_only_then(tiny_model):
+    from vllm.platforms import current_platform
+
+    from vllm_infinitehip.compat import HOST_TIER_WORKERS
+
+    on_cpu = current_platform.is_cpu()
+    cfg = _engine_config(tiny_model, {"offload": {"host_gib": 1}})
+    assert cfg.parallel_config.worker_cls == HOST_TIER_WORKERS["cpu" if on_cpu else "cuda"]
+    cfg = _engine_config(tiny_model, {"offload": False})
+    assert cfg.parallel_config.worker_cls == (
+        "vllm.v1.worker.cpu_worker.CPUWorker" if on_cpu else "vllm.v1.worker.gpu_worker.Worker"
+    )
+
+
+def test_offload_refuses_a_custom_worker_and_kv_connectors_before_any_engine(tiny_model):
+    from vllm.config import KVTransferConfig
+
+    with pytest.raises(ValueError, match=r"`infinitehip\.offload` .*worker_cls='my\.Worker'"):
+        _engine_config(tiny_model, {"offload": True}, worker_cls="my.Worker")
+    with pytest.raises(ValueError, match=r"`infinitehip\.offload` .*kv_offloading_size=4"):
+        _engine_config(tiny_model, {"offload": True}, kv_offloading_size=4)
+    connector = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    with pytest.raises(
+        ValueError,
+        match=r"`infinitehip\.offload` cannot run with a KV connector "
+        r"\(kv_transfer_config\.kv_connector='ExampleConnector'\)",
+    ):
+        _engine_config(tiny_model, {"offload": True}, kv_transfer_config=connector)
+
+
+# ---------------------------------------------------------------- engines (CPU)
+def _llm(tiny_model, offload, **kw):
+    from vllm import LLM
+
+    return LLM(tiny_model, attention_backend="infinitehip",
+               additional_config={"infinitehip": {**SMALL_HIP, "offload": offload}},
+               **{**ENGINE_KW, **kw})  # fmt: skip
+
+
+@pytest.mark.vllm
+def test_kv_connector_alongside_offload_fails_with_our_message(tiny_model):
+    from vllm.config import KVTransferConfig
+
+    connector = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    with pytest.raises(ValueError, match=r"`infinitehip\.offload` cannot run with a KV connector"):
+        _llm(tiny_model, {"host_gib": 0.25}, kv_transfer_config=connector)
+
+
+@pytest.mark.vllm
+def test_host_gib_beyond_the_machine_fails_at_startup_naming_it(tiny_model):
+    with pytest.raises(ValueError, match=r"`infinitehip\.offload\.host_gib`=1000000.* available"):
+        _llm(tiny_model, {"host_gib": 1_000_000})
+
+
+@pytest.mark.vllm
+def test_cpu_bank_beyond_the_tier_fails_at_startup_naming_it(tiny_model):
+    with pytest.raises(ValueError, match=r"`infinitehip\.offload\.bank_gib`=0\.02 .*host_gib"):
+        _llm(tiny_model, {"host_gib": 0.01, "bank_gib": 0.02})
+
+
+def _worker_view(worker) -> dict:
+    """Runs in the worker (collective_rpc): the tier, vLLM's KV geometry, the tracked blocks."""
+    from vllm_infinitehip.block_manager import tier
+
+    t = tier.current()
+    return {
+        "worker_cls": type(getattr(worker, "worker", worker)).__name__,
+        "host_bytes": t.host_bytes,
+        "bank_bytes": t.bank_bytes,
+        "released_blocks": t.released_blocks,
+        "page_bytes": sum(s.page_size_bytes for s in worker.get_kv_cache_spec().values()),
+        "block_size": worker.cache_config.block_size,
+        "blocks": {r: list(b) for r, b in worker._block_owners.blocks.items()},
+    }
+
+
+# A page of the tiny model (one 128-token block of both layers, K and V in fp32) is 128 KiB;
+# 20 pages hold 2560 tokens: more than max_model_len, less than three 650-token prompts that
+# grow by 200 tokens each.
+TIER_PAGES = 20
+TINY_PAGE_BYTES = 2 * 64 * 1024
+
+
+def _view(llm) -> dict:
+    return llm.collective_rpc(_worker_view)[0]
+
+
+def _ours(req_id: str) -> str:
+    return req_id.split("-")[0]  # vLLM may suffix the ids it was given
+
+
+def _run(llm, requests: dict[str, tuple[str, int]], abort_after: int | None = None) -> dict:
+    """Step ``llm``'s engine until ``requests`` are done and vLLM has told the worker so,
+    checking after every step that the worker tracks exactly the blocks vLLM's scheduler gave
+    each running request. Returns tokens per request and the blocks the worker last saw each
+    one hold."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler  # in-process engine core
+    for req_id, (prompt, max_tokens) in requests.items():
+        engine.add_request(req_id, prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+    tokens: dict[str, list[int]] = {}
+    held: dict[str, list[int]] = {}
+    steps = 0
+    while scheduler.has_requests():  # until finished and aborted ones are reported too
+        for out in engine.step():
+            if out.finished:
+                tokens[_ours(out.request_id)] = list(out.outputs[0].token_ids)
+        steps += 1
+        tracked = {_ours(r): b for r, b in _view(llm)["blocks"].items()}
+        held.update({r: b for r, b in tracked.items() if r in requests})
+        for req in scheduler.running:
+            vllm_blocks = scheduler.kv_cache_manager.get_block_ids(req.request_id)
+            assert tracked[_ours(req.request_id)] == [b for group in vllm_blocks for b in group]
+        if steps == abort_after:
+            engine.abort_request(list(requests))
+    return {"tokens": tokens, "held": held}
+
+
+@pytest.fixture(scope="module")
+def offload_llm(tiny_model):
+    llm = _llm(tiny_model, {"host_gib": TIER_PAGES * TINY_PAGE_BYTES / GIB},
+               max_model_len=2048, disable_log_stats=False)  # fmt: skip
+    yield llm
+    del llm
+    gc.collect()
+
+
+@pytest.mark.vllm
+def test_an_offload_engine_reports_the_host_tier_as_its_kv_capacity(offload_llm):
+    view = _view(offload_llm)
+    assert view["worker_cls"] == "InfiniteHiPCPUWorker"
+    assert view["page_bytes"] == TINY_PAGE_BYTES and view["block_size"] == 128
+    assert view["host_bytes"] == TIER_PAGES * TINY_PAGE_BYTES
+    assert view["bank_bytes"] == view["host_bytes"] // 8
+    # vLLM's block count (scheduler and worker) is the host tier's, in pages
+    assert offload_llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == TIER_PAGES
+
+
+@pytest.mark.vllm
+def test_a_finished_request_releases_its_blocks_on_the_next_step(offload_llm):
+    before = _view(offload_llm)["released_blocks"]
+    prompt = "alpha " * 300
+    done = _run(offload_llm, {"fin": (prompt, 10)})
+    assert len(done["tokens"]["fin"]) == 10
+    computed = len(offload_llm.get_tokenizer().encode(prompt)) + 10 - 1  # the last token: not fed
+    assert len(done["held"]["fin"]) == -(-computed // 128)
+    after = _view(offload_llm)
+    assert after["released_blocks"] - before == len(done["held"]["fin"])
+    assert after["blocks"] == {}
+
+
+@pytest.mark.vllm
+def test_an_aborted_request_releases_its_blocks_on_the_next_step(offload_llm):
+    before = _view(offload_llm)["released_blocks"]
+    aborted = _run(offload_llm, {"abort": ("delta " * 400, 200)}, abort_after=4)
+    assert "abort" not in aborted["tokens"] and len(aborted["held"]["abort"]) >= 4
+    after = _view(offload_llm)
+    assert after["released_blocks"] - before == len(aborted["held"]["abort"])
+    assert after["blocks"] == {}
+
+
+@pytest.mark.vllm
+def test_preempted_requests_release_and_reacquire_blocks_as_vllm_says(offload_llm):
+    """Three requests outgrow the tier; vLLM preempts one and recomputes it later. The worker
+    follows (checked against the scheduler every step) and, once all are done, has released
+    every block any of them held."""
+    before = _view(offload_llm)["released_blocks"]
+    prompts = {f"pre{i}": (f"{tag} " + "word " * 640, 200)
+               for i, tag in enumerate(("epsilon", "zeta", "eta"))}  # fmt: skip
+    crowd = _run(offload_llm, prompts)
+    assert [len(crowd["tokens"][r]) for r in prompts] == [200, 200, 200]
+    metrics = offload_llm.get_metrics()
+    assert sum(m.value for m in metrics if m.name == "vllm:num_preemptions") > 0
+    after = _view(offload_llm)
+    assert after["blocks"] == {}
+    ever_held = {b for r in prompts for b in crowd["held"][r]}
+    assert after["released_blocks"] - before >= len(ever_held) > TIER_PAGES // 2
