@@ -39,8 +39,10 @@ class HostTier:
         if not ids or not self.caches:
             return
         for cache in self.caches:
-            pages = torch.tensor(ids, dtype=torch.int64, device=cache.table.device)
-            cache.invalidate(pages[pages < cache.num_pages])
+            # filtered on the host: a boolean index on the device would sync
+            valid = [i for i in ids if i < cache.num_pages]
+            if valid:
+                cache.invalidate(torch.tensor(valid, dtype=torch.int64).to(cache.table.device))
 
 
 _TIER: HostTier | None = None
