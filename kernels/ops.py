@@ -239,7 +239,9 @@ def _flash_dense(req: RequestKV, q: torch.Tensor, scale: float) -> torch.Tensor:
 # per (device, cache kind): None when vLLM's FlashAttention reads our layout right, else why not
 _FLASH_PROBLEM: dict[str, str | None] = {}
 # fp8 through FA3 quantizes q and the softmax weights (see _flash_dense): its error on the
-# check's case is set by e4m3 rounding, not a layout misread (which is off by O(1))
+# check's case is set by e4m3 rounding, not a layout misread (which is off by O(1)). H200, FA3,
+# 2026-12-01: max 0.030, mean 0.0045 on this case (against q quantized the same way, a 6K
+# context's max error fell from 0.14 to 0.023: what is left is the softmax weights' rounding).
 _FP8_FLASH_TOL = {"max_abs": 0.15, "mean_abs": 0.02}
 
 
