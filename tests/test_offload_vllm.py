@@ -52,7 +52,7 @@ def bank_pages_checked(worker) -> tuple[int, int]:
     context = worker.model_runner.compilation_config.static_forward_context
     for name, layer in context.items():
         impl = getattr(layer, "impl", None)
-        if not isinstance(impl, InfiniteHiPImpl) or impl.plan is None:
+        if not isinstance(impl, InfiniteHiPImpl) or impl.plan is None or impl.plan.bank is None:
             continue
         bank, i = impl.plan.bank, impl.plan.bank_layers[name]
         table = bank.cache.table[i, :-1]
@@ -125,3 +125,30 @@ def test_finished_and_aborted_requests_leave_both_tiers_empty(offload_llm):
     s = tier_stats(offload_llm, reset=False)
     assert s["live_slots"] == 0 and s["tier"]["resident_pages"] == 0
     assert not engine.has_unfinished_requests()
+
+
+def test_fp8_kv_through_the_tier_equals_fp8_with_the_tier_off(tiny_model):
+    """``kv_cache_dtype="fp8"`` (e4m3, vLLM's scales): pages are stored quantized on the host and
+    in the bank alike, and every reader dequantizes on load. Runs last: a second tier in this
+    process replaces the module engine's."""
+    from vllm import LLM
+
+    def run(hip):
+        llm = LLM(tiny_model, attention_backend="infinitehip", kv_cache_dtype="fp8",
+                  additional_config={"infinitehip": hip}, **ENGINE_KW)  # fmt: skip
+        try:
+            tokens = greedy(llm, PROMPTS[:2], 16)
+            return tokens, tier_stats(llm), llm.collective_rpc(bank_pages_checked)[0]
+        finally:
+            del llm
+            gc.collect()
+
+    off, off_stats, _ = run(SMALL_HIP)
+    # fp8 pages are a quarter of this float32 model's (16 KiB): the same 6 slots per layer
+    fp8_bank = {**OFFLOAD, "bank_gib": (BANK_SLOTS + 1) * 2 * 2**14 / 2**30}
+    on, on_stats, (checked, stale) = run({**SMALL_HIP, "offload": fp8_bank})
+    assert off_stats["sparse_decode_queries"] > 0
+    assert on_stats["tier"]["bank_slots"] == 2 * BANK_SLOTS
+    assert on_stats["tier"]["attn_host_pages_refresh"] > 0
+    assert checked > 0 and stale == 0
+    assert on == off

@@ -83,17 +83,22 @@ def trained_and_extension(config: InfiniteHiPConfig, model_config) -> tuple[int,
 
 
 def prefill_threshold(
-    config: InfiniteHiPConfig, device: torch.device, extension: bool, trained: int
-) -> int:
+    config: InfiniteHiPConfig, device: torch.device, extension: bool, trained: int,
+    kv_fp8: bool = False,
+) -> int:  # fmt: skip
     """Longest context prefilled densely: the config's rule on a GPU where vLLM's FlashAttention
-    reads our cache layout (checked once, before any graph capture), else the dense threshold
-    (a gather and SDPA is never cheaper than sparse prefill)."""
+    reads our cache layout (fp8 caches: its fp8 path; checked once, before any graph capture),
+    else the dense threshold (a gather and SDPA is never cheaper than sparse prefill)."""
     on_gpu = device.type == "cuda"
     if on_gpu:
         from vllm_infinitehip.kernels.ops import flash_attention_works
 
-        on_gpu = flash_attention_works(device)
+        on_gpu = flash_attention_works(device, kv_fp8)
     return config.prefill_threshold(on_gpu, extension, trained)
+
+
+def is_fp8_kv(cache_dtype: str) -> bool:
+    return cache_dtype in ("fp8", "fp8_e4m3")
 
 
 def _current_device(vllm_config: VllmConfig) -> torch.device:
@@ -244,7 +249,8 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         self.plan = StepPlan(
             DecodeSlots(max_rows, self.config.refresh_intervals, device), masks,
             DecodeScratch(scores, workspace),
-            prefill_threshold(self.config, device, extension, trained),
+            prefill_threshold(self.config, device, extension, trained,
+                              kv_fp8=is_fp8_kv(vllm_config.cache_config.cache_dtype)),
         )  # fmt: skip
         if self.config.offload.enabled:
             self.plan.bank = _make_bank(vllm_config, kv_cache_spec, len(layer_names), device)
@@ -331,7 +337,9 @@ class InfiniteHiPBackend(AttentionBackend):
         torch.bfloat16,
         torch.float32,
     ]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
+    # fp8 is e4m3 with vLLM's per-layer scales; not fp8_e5m2, whose uint8 storage the kernels
+    # would read as e4m3
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", "fp8", "fp8_e4m3"]
 
     @staticmethod
     def get_name() -> str:
@@ -454,6 +462,8 @@ class InfiniteHiPImpl(AttentionImpl):
         self._scratch: DecodeScratch | None = None
         self._ops: AttentionOps | None = None
         self._bank_layer = -1
+        # an fp8 cache's per-layer scales (vLLM's device tensors; readers dequantize with them)
+        self._kv_scales: dict[str, torch.Tensor] = {}
         self._copy_pages = None
 
     # ---------------------------------------------------------------- once per layer
@@ -467,6 +477,7 @@ class InfiniteHiPImpl(AttentionImpl):
         if tail_window is not None:
             self._tail_params = dataclasses.replace(self._params, window_tokens=tail_window)
         self.plan = plan
+        self._kv_scales = {"k_scale": layer._k_scale, "v_scale": layer._v_scale}
         rope = self._params.rope
         placement = self._placements.get(rope.pruning) if rope is not None else None
         bank = plan.bank
@@ -522,7 +533,8 @@ class InfiniteHiPImpl(AttentionImpl):
                 layer._k_scale, layer._v_scale,
             )  # fmt: skip
         else:
-            ref.write_paged_kv(kv_cache, key, value, slot_mapping)
+            ref.write_paged_kv(kv_cache, key, value, slot_mapping, k_scale=layer._k_scale,
+                               v_scale=layer._v_scale)  # fmt: skip
 
     def forward(
         self,
@@ -563,7 +575,8 @@ class InfiniteHiPImpl(AttentionImpl):
         masks = m.plan.masks[self._layer_name]
         rows = m.decode
         if m.run_cascade:
-            ops.refresh_decode(self._params, masks, q, kv_cache, rows, self.scale, self._scratch)
+            ops.refresh_decode(self._params, masks, q, kv_cache, rows, self.scale, self._scratch,
+                               **self._kv_scales)  # fmt: skip
             bank = m.plan.bank
             if bank is not None:
                 # the pages the new masks read move into the bank before attention reads them
@@ -576,7 +589,7 @@ class InfiniteHiPImpl(AttentionImpl):
                 refreshing &= rows.levels < len(p.stages)
                 bank.promote(self._bank_layer, kv_cache, pages, refreshing, self._copy_pages)
         ops.attend_decode(self._params, masks, q, kv_cache, rows, self.scale, out, self.pairs,
-                          self._scratch)  # fmt: skip
+                          self._scratch, **self._kv_scales)  # fmt: skip
         if self.recall_log is not None:
             self._log_decode_recall(masks, q, kv_cache, rows)
 
@@ -589,7 +602,7 @@ class InfiniteHiPImpl(AttentionImpl):
             return
         seq_len = m.seq_lens_host[i]
         q = q_all[lo:hi]
-        req = RequestKV(kv_cache, m.block_table[i], seq_len)
+        req = RequestKV(kv_cache, m.block_table[i], seq_len, **self._kv_scales)
         positions = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
         if seq_len <= m.plan.prefill_threshold:
             out[lo:hi] = ops.dense(req, q, positions, self.scale)
@@ -635,7 +648,7 @@ class InfiniteHiPImpl(AttentionImpl):
         for b, (slot, seq_len) in enumerate(zip(rows.slots.tolist(), rows.seq_lens.tolist())):
             if slot < 0:
                 continue
-            req = RequestKV(kv_cache, rows.block_table[b], seq_len)
+            req = RequestKV(kv_cache, rows.block_table[b], seq_len, **self._kv_scales)
             positions = torch.tensor([seq_len - 1], device=q.device)
             self._log_recall("decode", self._params, req, q[b : b + 1], positions,
                              masks.prune_result(slot))  # fmt: skip
