@@ -4,6 +4,7 @@
 #   run(command="bash benchmarks/gpu_e2e_run.sh vllm-tests [-k EXPR]") the vLLM GPU tests alone
 #   run(command="bash benchmarks/gpu_e2e_run.sh e2e [e2e.py args]") the end-to-end benchmark
 #   run(command="bash benchmarks/gpu_e2e_run.sh attention [contexts]") the kernel benchmark
+#   run(command="bash benchmarks/gpu_e2e_run.sh tier-tests")            the host tier's GPU tests
 #   run(command="bash benchmarks/gpu_e2e_run.sh offload [offload.py args]") the host-tier benchmark
 # Logs and results land in $OUT.
 set -uo pipefail
@@ -29,11 +30,17 @@ case $what in
     python3 benchmarks/e2e.py --out /root/e2e --merge "$@" 2>&1 | tee -a /root/e2e/e2e.log \
       | grep -E "^\[e2e\]|^\||Error|error" | tail -60
     cp /root/e2e/e2e-gpu-* /root/e2e/e2e.log "$OUTDIR"/ ;;
+  tier-tests)
+    # the host store's CUDA tests (the engine-level ones need the CPU's tiny model), then the
+    # tier on/off greedy test through vLLM with CUDA graphs
+    timeout 120 $PYTEST -m "not vllm" -k "not offload_selects and not refuses_a_custom" \
+      tests/test_offload_config.py 2>&1 | tail -3
+    timeout 240 $PYTEST -x -rA tests/gpu -k host_tier 2>&1 | tee "$OUTDIR/gpu-tier-tests.log" \
+      | grep -E "passed|failed|Error|assert|PASSED|FAILED" | grep -vE "^(INFO|WARNING|DEBUG)" | tail -20 ;;
   offload)
-    mkdir -p /root/e2e
-    python3 benchmarks/offload.py --out /root/e2e --merge "$@" 2>&1 | tee -a /root/e2e/offload.log \
-      | grep -E "^\[offload\]|^\||Error|error" | tail -60
-    cp /root/e2e/offload-gpu-* /root/e2e/offload.log "$OUTDIR"/ ;;
+    # results go straight to $OUTDIR (written after each engine), so a cut-short run keeps them
+    python3 benchmarks/offload.py --out "$OUTDIR" "$@" 2>&1 | tee "$OUTDIR/offload.log" \
+      | grep -E "^\[offload\]|^\||Error|error" | tail -60 ;;
   attention)
     BASELINES=fa3 python3 benchmarks/attention.py --out "$OUTDIR" --baselines fa3 ${@:+--contexts "$@"} \
       2>&1 | tee "$OUTDIR/attention.log" | tail -40 ;;

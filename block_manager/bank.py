@@ -12,6 +12,11 @@ the cache. Three things keep the copies equal to the host, so greedy output cann
 - pages that vLLM frees or rewrites outside attention are invalidated (``tier.HostTier.release``).
 
 Everything is fixed-shape device work, so it runs inside captured decode graphs.
+
+Prefill chunks read a request's whole context again for every query block, far too often to
+read it over the bus, so a chunk of more than one query block first copies the request's pages
+into :class:`PrefillStaging` (one request's worth of GPU memory, shared by the layers, which run
+one after another) and reads them there.
 """
 
 from __future__ import annotations
@@ -149,3 +154,30 @@ class Bank:
             self.cache.hits.zero_()
             self.cache.misses.zero_()
         return out
+
+
+class PrefillStaging:
+    """GPU room for one request's pages, ``[max_pages, *page]``, and the identity block table
+    that addresses them there."""
+
+    def __init__(
+        self, max_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:  # fmt: skip
+        self.pages = torch.empty(max_pages, *page_shape, dtype=dtype, device=device)
+        self.table = torch.arange(max_pages, dtype=torch.int32, device=device)
+        self.page_size = page_shape[1]
+
+    @staticmethod
+    def bytes_for(max_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        return max_pages * torch.Size(page_shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+    def stage(
+        self, kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int,
+        copy: Callable[..., None],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the request's first ``seq_len`` tokens' pages here; returns the cache and
+        block-table row to read them through."""
+        n = -(-seq_len // self.page_size)
+        copy(kv_cache, self.pages, block_table_row[:n], self.table[:n])
+        return self.pages, self.table

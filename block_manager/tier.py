@@ -24,6 +24,8 @@ class HostTier:
 
     host_bytes: int
     bank_bytes: int
+    # what vLLM's profiling left for KV on the GPU: the bank and the prefill staging share it
+    device_budget: int = 0
     caches: list[PageCache] = field(default_factory=list)
     # distinct block ids of each release() call, summed over calls: what the worker reported
     released_blocks: int = 0

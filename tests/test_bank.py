@@ -19,7 +19,11 @@ if not torch.cuda.is_available():
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from vllm_infinitehip.block_manager.bank import Bank, decode_read_pages  # noqa: E402
+from vllm_infinitehip.block_manager.bank import (  # noqa: E402
+    Bank,
+    PrefillStaging,
+    decode_read_pages,
+)
 from vllm_infinitehip.kernels import decode as dec  # noqa: E402
 from vllm_infinitehip.kernels import reference as ref  # noqa: E402
 from vllm_infinitehip.kernels import triton_bank  # noqa: E402
@@ -150,3 +154,14 @@ def test_page_copy_kernel_copies_the_fills_and_skips_padding():
     triton_bank.copy_pages_reference(cache, want, fill_pages, fill_slots)
     assert torch.equal(got, want)
     assert torch.equal(got[4], cache[3]) and torch.equal(got[0], cache[7])
+
+
+def test_prefill_staging_holds_the_request_in_block_table_order():
+    gen = torch.Generator().manual_seed(4)
+    cache, table = paged([700, 1100], 0, gen)
+    staging = PrefillStaging(80, (2, PAGE, HKV, D), torch.float32, torch.device("cpu"))
+    for b, seq_len in enumerate([700, 1100]):
+        kv, row = staging.stage(cache, table[b], seq_len, triton_bank.copy_pages_reference)
+        got = ref.gather_paged_kv(kv, row, seq_len)
+        want = ref.gather_paged_kv(cache, table[b], seq_len)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

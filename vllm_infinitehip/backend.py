@@ -42,7 +42,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_infinitehip.block_manager import tier as host_tier
-from vllm_infinitehip.block_manager.bank import Bank, decode_read_pages
+from vllm_infinitehip.block_manager.bank import Bank, PrefillStaging, decode_read_pages
 from vllm_infinitehip.config import InfiniteHiPConfig
 from vllm_infinitehip.kernels import decode as dec
 from vllm_infinitehip.kernels import reference as ref
@@ -137,9 +137,11 @@ def _layer_index(layer_name: str) -> int:
 
 
 def _make_bank(
-    vllm_config: VllmConfig, spec: AttentionSpec, layers: int, device: torch.device
-) -> Bank:
-    """This group's bank, sized from the budget the tier's worker set aside on the GPU."""
+    config: InfiniteHiPConfig, vllm_config: VllmConfig, spec: AttentionSpec, layers: int,
+    device: torch.device,
+) -> tuple[Bank, PrefillStaging | None]:
+    """This group's bank and, on a GPU, its prefill staging, sized from the GPU memory the
+    tier's worker set aside (vLLM's profiled KV budget): staging first, the bank the rest."""
     tier = host_tier.current()
     if tier is None:
         raise RuntimeError(
@@ -148,14 +150,37 @@ def _make_bank(
         )
     num_pages = vllm_config.cache_config.num_gpu_blocks
     page_shape = (2, spec.block_size, spec.num_kv_heads, spec.head_size)
-    bank = Bank.sized(tier.bank_bytes, layers, num_pages, page_shape, spec.dtype, device)
+    bank_bytes, staging = tier.bank_bytes, None
+    if device.type == "cuda":  # on the CPU the host store is where prefill computes anyway
+        max_pages = -(-vllm_config.model_config.max_model_len // spec.block_size)
+        staging_bytes = PrefillStaging.bytes_for(max_pages, page_shape, spec.dtype)
+        if bank_bytes + staging_bytes > tier.device_budget:
+            bank_bytes = tier.device_budget - staging_bytes
+            if config.offload.bank_gib is not None or bank_bytes <= 0:
+                raise host_tier_error(tier, bank_bytes + staging_bytes, staging_bytes)
+        staging = PrefillStaging(max_pages, page_shape, spec.dtype, device)
+    bank = Bank.sized(bank_bytes, layers, num_pages, page_shape, spec.dtype, device)
     tier.register(bank.cache)
     logger.info(
         "InfiniteHiP host tier: %.1f GiB of KV on the host (%d pages), a GPU bank of %d pages per "
-        "layer (%.2f GiB)", tier.host_bytes / 2**30, num_pages, bank.num_slots,
-        bank.pages.numel() * bank.pages.element_size() / 2**30,
+        "layer (%.2f GiB), prefill staging %.2f GiB", tier.host_bytes / 2**30, num_pages,
+        bank.num_slots, bank.pages.numel() * bank.pages.element_size() / 2**30,
+        0 if staging is None else staging.pages.numel() * staging.pages.element_size() / 2**30,
     )  # fmt: skip
-    return bank
+    return bank, staging
+
+
+def host_tier_error(tier: host_tier.HostTier, wanted: int, staging: int) -> Exception:
+    from vllm_infinitehip.config import InfiniteHiPConfigError
+
+    gib = 2**30
+    return InfiniteHiPConfigError(
+        f"`infinitehip.offload.bank_gib`: the bank ({tier.bank_bytes / gib:.2f} GiB) and the "
+        f"prefill staging of one max_model_len request ({staging / gib:.2f} GiB) need "
+        f"{max(wanted, staging) / gib:.2f} GiB, but vLLM's profiling left "
+        f"{tier.device_budget / gib:.2f} GiB for KV on the GPU: lower bank_gib or "
+        f"max_model_len, or raise gpu_memory_utilization"
+    )
 
 
 @dataclass
@@ -186,6 +211,7 @@ class StepPlan:
     # the host tier's GPU bank of this group (offload on), and each layer's index in it
     bank: Bank | None = None
     bank_layers: dict[str, int] = field(default_factory=dict)
+    staging: PrefillStaging | None = None
 
 
 @dataclass
@@ -253,7 +279,9 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
                               kv_fp8=is_fp8_kv(vllm_config.cache_config.cache_dtype)),
         )  # fmt: skip
         if self.config.offload.enabled:
-            self.plan.bank = _make_bank(vllm_config, kv_cache_spec, len(layer_names), device)
+            self.plan.bank, self.plan.staging = _make_bank(
+                self.config, vllm_config, kv_cache_spec, len(layer_names), device
+            )
             self.plan.bank_layers = {name: i for i, name in enumerate(layer_names)}
         i32 = dict(dtype=torch.int32, device=device)
         # persistent per-row buffers: what a captured graph reads is rewritten each step
@@ -602,7 +630,12 @@ class InfiniteHiPImpl(AttentionImpl):
             return
         seq_len = m.seq_lens_host[i]
         q = q_all[lo:hi]
-        req = RequestKV(kv_cache, m.block_table[i], seq_len, **self._kv_scales)
+        table_row = m.block_table[i]
+        staging = m.plan.staging
+        if staging is not None and hi - lo > self._params.block_size_q:
+            # query blocks re-read the context: read it from a GPU copy, not over the bus
+            kv_cache, table_row = staging.stage(kv_cache, table_row, seq_len, self._copy_pages)
+        req = RequestKV(kv_cache, table_row, seq_len, **self._kv_scales)
         positions = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
         if seq_len <= m.plan.prefill_threshold:
             out[lo:hi] = ops.dense(req, q, positions, self.scale)

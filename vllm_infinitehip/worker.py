@@ -111,7 +111,7 @@ def size_host_tier(
             f"`{where}`: vLLM's memory profiling left no GPU memory for the bank "
             f"({_gib(device_budget)}); raise gpu_memory_utilization"
         )
-    return HostTier(host_bytes=host_bytes, bank_bytes=bank_bytes)
+    return HostTier(host_bytes=host_bytes, bank_bytes=bank_bytes, device_budget=device_budget)
 
 
 class BlockOwners:
