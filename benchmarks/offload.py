@@ -10,8 +10,10 @@ engine:
 - the greedy tokens of one 129-token call, compared across engines of the same context
   (``greedy_equal_to_tier_off``);
 - with the tier on, its counters over the timed decode calls (``metrics.collect_stats``):
-  ``hit_ratio_attn`` (decode attention's page reads served by the bank), ``hit_ratio_mask``
-  (promotions at refresh steps that found the page resident), ``host_bytes_per_step``.
+  ``hit_ratio_attn`` (decode attention's page reads served by the bank), ``hit_ratio_promote``
+  (pages a refresh asked for that were already resident), ``host_bytes_per_step`` (attention's
+  host reads plus the copies into the bank). ``hit_ratio_mask`` stays null: the pruning stages
+  have no bank of their own yet, and their host reads are not counted.
 
 The compiling warm-up call is excluded from every timing. Results:
 ``offload-gpu-<date>.json`` with the issue's row fields, a PNG and a table on stdout.
@@ -97,7 +99,8 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
             "host_kv_gib": round(ctx * KV_BYTES_PER_TOKEN[kv] / 2**30, 1) if bank else 0.0,
             "engine": name, "init_s": round(init_s, 1), "decode_tok_s": round(decode, 1),
             "prefill_s": round(prefill, 2),
-            "hit_ratio_mask": _round(tier.get("hit_ratio_promote")),
+            "hit_ratio_mask": None,
+            "hit_ratio_promote": _round(tier.get("hit_ratio_promote")),
             "hit_ratio_attn": _round(tier.get("hit_ratio_attn")),
             "hit_ratio_attn_refresh": _round(tier.get("hit_ratio_attn_refresh")),
             "hit_ratio_attn_reuse": _round(tier.get("hit_ratio_attn_reuse")),
@@ -118,7 +121,9 @@ def compare(rows: list[dict]) -> None:
     off = {(r["context"], r["kv_dtype"]): r for r in rows if not r["offload"]}
     for r in rows:
         base = off.get((r["context"], r["kv_dtype"]))
-        r["greedy_equal_to_tier_off"] = (r["tokens"] == base["tokens"]) if base else None
+        r["greedy_equal_to_tier_off"] = (
+            (r["tokens"] == base["tokens"]) if base and r["offload"] else None
+        )
         r["decode_ratio_vs_tier_off"] = (
             round(r["decode_tok_s"] / base["decode_tok_s"], 3) if base else None
         )
@@ -145,7 +150,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 COLUMNS = ["context", "kv_dtype", "offload", "bank_gib", "host_kv_gib", "prefill_s",
-           "decode_tok_s", "decode_ratio_vs_tier_off", "hit_ratio_mask", "hit_ratio_attn",
+           "decode_tok_s", "decode_ratio_vs_tier_off", "hit_ratio_promote", "hit_ratio_attn",
            "host_bytes_per_step", "greedy_equal_to_tier_off"]  # fmt: skip
 
 
