@@ -13,7 +13,8 @@ engine:
   ``hit_ratio_attn`` (decode attention's page reads served by the bank), ``hit_ratio_promote``
   (pages a refresh asked for that were already resident), ``host_bytes_per_step`` (attention's
   host reads plus the copies into the bank). ``hit_ratio_mask`` stays null: the pruning stages
-  have no bank of their own yet, and their host reads are not counted.
+  have no bank of their own yet, and their host reads are not counted;
+- ``host_share`` and ``kernel_us_per_step``: as in ``e2e.py``, from a profiled 33-token call.
 
 The compiling warm-up call is excluded from every timing. Results:
 ``offload-gpu-<date>.json`` with the issue's row fields, a PNG and a table on stdout.
@@ -35,7 +36,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from e2e import DECODE_TOKENS, WARMUP_TOKENS, decode_seconds, engine_spec, random_prompt  # noqa: E402
+from e2e import (  # noqa: E402
+    DECODE_TOKENS,
+    WARMUP_TOKENS,
+    decode_seconds,
+    engine_spec,
+    gpu_busy_share,
+    kernel_table,
+    random_prompt,
+)
 
 KV_BYTES_PER_TOKEN = {"bf16": 128 * 1024, "fp8": 64 * 1024}  # Llama-3-8B: 32 layers, 8 KV heads
 
@@ -94,6 +103,15 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
         decode = DECODE_TOKENS / decode_seconds(call, [prompt])
         stats = llm.collective_rpc(collect_stats, kwargs={"reset": True})[0]
         tier = stats.get("tier", {})
+        # where a step's time goes: GPU time by kernel (graphs included) and the idle share,
+        # from a profiled 33-token call against the same call unprofiled
+        import torch
+
+        t33, _ = call([prompt], 33)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            call([prompt], 33)
+        host_share = max(0.0, 1.0 - gpu_busy_share(prof) / (t33 * 1e6))
+        kernels = kernel_table(prof, steps=32)
         rows.append({
             "context": ctx, "kv_dtype": kv, "offload": bank is not None, "bank_gib": bank,
             "host_kv_gib": round(ctx * KV_BYTES_PER_TOKEN[kv] / 2**30, 1) if bank else 0.0,
@@ -105,6 +123,7 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
             "hit_ratio_attn_refresh": _round(tier.get("hit_ratio_attn_refresh")),
             "hit_ratio_attn_reuse": _round(tier.get("hit_ratio_attn_reuse")),
             "host_bytes_per_step": round(tier["host_bytes_per_step"]) if tier else 0,
+            "host_share": round(host_share, 3), "kernel_us_per_step": kernels,
             "tokens": tokens,
         })  # fmt: skip
         print(f"[offload] {({k: v for k, v in rows[-1].items() if k != 'tokens'})}", flush=True)
