@@ -208,6 +208,40 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def drive_engines(script: str, name: str, args, key, finish, plot_rows, notes: str) -> list[dict]:
+    """Run each of ``args.engines`` in its own process (``script --worker ENGINE=TMP`` with this
+    process's arguments; a deleted in-process engine keeps GPU memory), merge its rows into
+    ``<name>-gpu-<date>.json`` (rows of the same ``key`` replaced), ``finish`` them (ratios),
+    and rewrite the JSON and its plot after every engine, so a run cut short keeps its rows."""
+    import torch
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    path = out_dir / f"{name}-gpu-{date}.json"
+    rows: list[dict] = []
+    if args.merge and path.exists():
+        rows = json.loads(path.read_text())["rows"]
+    for engine in args.engines:
+        tmp = out_dir / f".{name}-{engine.replace(':', '_')}.json"
+        cmd = [sys.executable, script, "--worker", f"{engine}={tmp}", *sys.argv[1:]]
+        proc = subprocess.run(cmd, check=False)  # a failed engine is reported, the rest still run
+        if not tmp.exists():
+            print(f"[{name}] {engine}: engine failed (exit {proc.returncode})", flush=True)
+            continue
+        new = json.loads(tmp.read_text())
+        tmp.unlink()
+        done = {key(r) for r in new}
+        rows = [r for r in rows if key(r) not in done] + new
+        finish(rows)
+        result = {"name": name, "date": date, "gpu": torch.cuda.get_device_name(0),
+                  "command": f"python benchmarks/{Path(script).name} " + " ".join(sys.argv[1:]),
+                  "notes": notes, "rows": rows}  # fmt: skip
+        path.write_text(json.dumps(result, indent=1))
+        plot_rows(rows, path.with_suffix(".png"))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="/tmp/devbundle-models/model-llama3-8b-config")
@@ -234,35 +268,11 @@ def main() -> None:
         Path(out).write_text(json.dumps(rows))
         return
 
-    import torch
-
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    date = datetime.date.today().isoformat()
-    path = out_dir / f"e2e-gpu-{date}.json"
-    rows: list[dict] = []
-    if args.merge and path.exists():
-        rows = json.loads(path.read_text())["rows"]
-    for name in args.engines:
-        tmp = out_dir / f".e2e-{name}.json"
-        cmd = [sys.executable, __file__, "--worker", f"{name}={tmp}", *sys.argv[1:]]
-        proc = subprocess.run(cmd)
-        if not tmp.exists():
-            print(f"[e2e] {name}: engine failed (exit {proc.returncode})", flush=True)
-            continue
-        new = json.loads(tmp.read_text())
-        tmp.unlink()
-        done = {(r["engine"], r["context"], r["batch"]) for r in new}
-        rows = [r for r in rows if (r["engine"], r["context"], r["batch"]) not in done] + new
-        add_ratios(rows)
-        result = {"name": "e2e", "date": date, "gpu": torch.cuda.get_device_name(0),
-                  "command": "python benchmarks/e2e.py " + " ".join(sys.argv[1:]),
-                  "notes": "compiling warm-up call excluded from every timing; prefill_s and "
-                           "ttft_s from vLLM's request timestamps; decode from two calls on a "
-                           "prefix-cache hit; host_share from torch.profiler (an upper bound)",
-                  "rows": rows}  # fmt: skip
-        path.write_text(json.dumps(result, indent=1))
-        plot(rows, path.with_suffix(".png"))
+    notes = ("compiling warm-up call excluded from every timing; prefill_s and ttft_s from vLLM's "
+             "request timestamps; decode from two calls on a prefix-cache hit; host_share from "
+             "torch.profiler (an upper bound)")  # fmt: skip
+    rows = drive_engines(__file__, "e2e", args, lambda r: (r["engine"], r["context"], r["batch"]),
+                         add_ratios, plot, notes)  # fmt: skip
     print(table(rows))
 
 

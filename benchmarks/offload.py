@@ -25,10 +25,8 @@ The compiling warm-up call is excluded from every timing. Results:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,10 +34,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from e2e import (  # noqa: E402
+from e2e import (
     DECODE_TOKENS,
     WARMUP_TOKENS,
     decode_seconds,
+    drive_engines,
     engine_spec,
     gpu_busy_share,
     kernel_table,
@@ -202,34 +201,12 @@ def main() -> None:
         Path(out).write_text(json.dumps(rows))
         return
 
-    import torch
-
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    date = datetime.date.today().isoformat()
-    path = out_dir / f"offload-gpu-{date}.json"
-    rows: list[dict] = []
-    if args.merge and path.exists():
-        rows = json.loads(path.read_text())["rows"]
-    for name in args.engines:
-        tmp = out_dir / f".offload-{name.replace(':', '_')}.json"
-        cmd = [sys.executable, __file__, "--worker", f"{name}={tmp}", *sys.argv[1:]]
-        proc = subprocess.run(cmd)
-        if not tmp.exists():
-            print(f"[offload] {name}: engine failed (exit {proc.returncode})", flush=True)
-            continue
-        new = json.loads(tmp.read_text())
-        tmp.unlink()
-        done = {(r["engine"], r["context"]) for r in new}
-        rows = [r for r in rows if (r["engine"], r["context"]) not in done] + new
-        compare(rows)
-        result = {"name": "offload", "date": date, "gpu": torch.cuda.get_device_name(0),
-                  "command": "python benchmarks/offload.py " + " ".join(sys.argv[1:]),
-                  "notes": "compiling warm-up call excluded; decode from two calls on a "
-                           "prefix-cache hit; tier counters over the timed decode calls",
-                  "rows": rows}  # fmt: skip
-        path.write_text(json.dumps(result, indent=1))
-        plot(rows, path.with_suffix(".png"))
+    notes = ("compiling warm-up call excluded; decode from two calls on a prefix-cache hit; tier "
+             "counters over the timed decode calls; hit_ratio_mask null: the pruning stages read K "
+             "through the table but have no bank of their own and their host reads are not "
+             "counted; hit_ratio_promote: pages a refresh asked for that were resident")  # fmt: skip
+    rows = drive_engines(__file__, "offload", args, lambda r: (r["engine"], r["context"]),
+                         compare, plot, notes)  # fmt: skip
     print(table(rows))
 
 

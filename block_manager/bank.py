@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-
 from vllm_infinitehip.block_manager.page_cache import PageCache
 
 # Bank.counters entries: pages the decode attention read from the bank / the host, on refresh

@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
-
 from vllm_infinitehip.block_manager.page_cache import PageCache
 
 
@@ -36,7 +35,7 @@ class HostTier:
     def release(self, block_ids: Iterable[int]) -> None:
         """Forget these blocks in every bank: vLLM freed them (a finished, aborted or preempted
         request) or is about to write them outside attention (zeroing, block copies)."""
-        ids = sorted(set(int(b) for b in block_ids))
+        ids = sorted({int(b) for b in block_ids})
         self.released_blocks += len(ids)
         if not ids or not self.caches:
             return

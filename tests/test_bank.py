@@ -17,17 +17,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from vllm_infinitehip.block_manager.bank import (  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction
+from vllm_infinitehip.block_manager.bank import (
     Bank,
     PrefillStaging,
     decode_read_pages,
 )
-from vllm_infinitehip.kernels import decode as dec  # noqa: E402
-from vllm_infinitehip.kernels import reference as ref  # noqa: E402
-from vllm_infinitehip.kernels import triton_bank  # noqa: E402
-from vllm_infinitehip.state import refresh_level  # noqa: E402
+from vllm_infinitehip.kernels import decode as dec
+from vllm_infinitehip.kernels import reference as ref
+from vllm_infinitehip.kernels import triton_bank
+
+from vllm_infinitehip.state import refresh_level
 
 PAGE, HKV, HQ, D = 16, 2, 4, 32
 INTERVALS = (8, 4, 2)

@@ -26,7 +26,6 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import (

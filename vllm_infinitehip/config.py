@@ -242,12 +242,7 @@ class InfiniteHiPConfig:
             raise InfiniteHiPConfigError(
                 f"`infinitehip` must be an object, got {type(raw).__name__}"
             )
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in raw:
-            if key not in known:
-                raise InfiniteHiPConfigError(
-                    f"unknown field `infinitehip.{key}`; valid fields: {', '.join(sorted(known))}"
-                )
+        _check_fields(raw, cls, "infinitehip")
         preset = raw.get("preset", "3k")
         if not isinstance(preset, str) or preset not in PRESETS:
             raise InfiniteHiPConfigError(
@@ -421,6 +416,15 @@ def _int(value: Any, where: str, minimum: int) -> int:
     return value
 
 
+def _check_fields(raw: dict, cls: type, where: str) -> None:
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            raise InfiniteHiPConfigError(
+                f"unknown field `{where}.{key}`; valid fields: {', '.join(sorted(names))}"
+            )
+
+
 def _list(value: Any, where: str) -> list[Any]:
     if not isinstance(value, (list, tuple)):
         raise InfiniteHiPConfigError(f"`{where}` must be a list, got {type(value).__name__}")
@@ -433,12 +437,7 @@ def _stage(raw: Any, i: int) -> StageConfig:
         return raw
     if not isinstance(raw, dict):
         raise InfiniteHiPConfigError(f"`{where}` must be an object, got {type(raw).__name__}")
-    names = {f.name for f in dataclasses.fields(StageConfig)}
-    for key in raw:
-        if key not in names:
-            raise InfiniteHiPConfigError(
-                f"unknown field `{where}.{key}`; valid fields: {', '.join(sorted(names))}"
-            )
+    _check_fields(raw, StageConfig, where)
     for required in ("chunk_size", "keep_tokens"):
         if required not in raw:
             raise InfiniteHiPConfigError(f"`{where}.{required}` is required")
@@ -455,12 +454,7 @@ def _offload(raw: Any) -> OffloadConfig:
         raise InfiniteHiPConfigError(
             f"`{where}` must be true, false or an object, got {type(raw).__name__}"
         )
-    names = {f.name for f in dataclasses.fields(OffloadConfig)}
-    for key in raw:
-        if key not in names:
-            raise InfiniteHiPConfigError(
-                f"unknown field `{where}.{key}`; valid fields: {', '.join(sorted(names))}"
-            )
+    _check_fields(raw, OffloadConfig, where)
     enabled = raw.get("enabled", True)
     if not isinstance(enabled, bool):
         raise InfiniteHiPConfigError(f"`{where}.enabled`={enabled!r} must be true or false")
