@@ -123,14 +123,18 @@ def use_host_tier_worker(vllm_config: Any) -> None:
 
     A KV connector (``kv_transfer_config``, or ``kv_offloading_size``, which vLLM turns into one
     after this hook) moves the same KV blocks between tiers of its own, and a user's
-    ``worker_cls`` would be replaced silently; both fail here, in the user's process.
+    ``worker_cls`` would be replaced silently; both fail here, in the user's process. Our own
+    metrics connector (alone, or all a ``MultiConnector`` holds) moves no KV, so it may stay.
     """
     from vllm.platforms import current_platform
 
     from vllm_infinitehip.config import InfiniteHiPConfigError
 
-    connector = getattr(vllm_config.kv_transfer_config, "kv_connector", None)
+    transfer = vllm_config.kv_transfer_config
+    connector = getattr(transfer, "kv_connector", None)
     offloading = getattr(vllm_config.cache_config, "kv_offloading_size", None)
+    if connector is not None and offloading is None and _only_metrics_connector(transfer):
+        connector = None
     if connector is not None or offloading is not None:
         given = (f"kv_transfer_config.kv_connector={connector!r}" if connector is not None
                  else f"kv_offloading_size={offloading}")  # fmt: skip
@@ -153,6 +157,16 @@ def use_host_tier_worker(vllm_config: Any) -> None:
             f"`infinitehip.offload` off"
         )
     parallel.worker_cls = wanted
+
+
+def _only_metrics_connector(transfer: Any) -> bool:
+    """The KV connector config names only InfiniteHiP's metrics connector, which moves no KV."""
+    from vllm_infinitehip.prometheus import is_metrics_connector
+
+    if transfer.kv_connector == "MultiConnector":
+        children = (transfer.kv_connector_extra_config or {}).get("connectors") or []
+        return bool(children) and all(is_metrics_connector(c) for c in children)
+    return is_metrics_connector(transfer)
 
 
 def _chose_infinitehip(engine_args: Any) -> bool:

@@ -30,13 +30,19 @@ class AttentionStats:
         return {**asdict(self), "sparsity": self.sparsity}
 
 
-def _impls(worker: Any) -> list:
+def impls_in(static_forward_context: dict[str, Any]) -> list:
+    """The InfiniteHiP layers' impls among a ``compilation_config.static_forward_context``."""
     from vllm_infinitehip.backend import InfiniteHiPImpl
 
-    context = worker.model_runner.compilation_config.static_forward_context
     return [
-        m.impl for m in context.values() if isinstance(getattr(m, "impl", None), InfiniteHiPImpl)
+        m.impl
+        for m in static_forward_context.values()
+        if isinstance(getattr(m, "impl", None), InfiniteHiPImpl)
     ]
+
+
+def _impls(worker: Any) -> list:
+    return impls_in(worker.model_runner.compilation_config.static_forward_context)
 
 
 def collect_recall(worker: Any, enable: bool = True) -> list[dict[str, Any]]:
@@ -65,8 +71,12 @@ def collect_stats(worker: Any, reset: bool = False) -> dict[str, Any]:
     state slots owned now: a finished, aborted or preempted request's slot is freed at the next
     step).
     """
+    return stats_of_impls(_impls(worker), reset=reset)
+
+
+def stats_of_impls(impls: list, reset: bool = False) -> dict[str, Any]:
+    """:func:`collect_stats` of the given layers (the Prometheus connector reads them here)."""
     total = AttentionStats()
-    impls = _impls(worker)
     plans: dict[int, tuple[Any, int]] = {}
     for impl in impls:
         if impl.plan is None:  # never ran
