@@ -204,7 +204,7 @@ def main() -> None:
     notes = ("compiling warm-up call excluded; decode from two calls on a prefix-cache hit; tier "
              "counters over the timed decode calls; hit_ratio_mask null: the pruning stages read K "
              "through the table but have no bank of their own and their host reads are not "
-             "counted; hit_ratio_promote: pages a refresh asked for that were resident")  # fmt: skip
+             "counted; hit_ratio_promote: pages a step's rows asked for that were resident")
     rows = drive_engines(__file__, "offload", args, lambda r: (r["engine"], r["context"]),
                          compare, plot, notes)  # fmt: skip
     print(table(rows))

@@ -6,12 +6,16 @@ a :class:`PageCache` assigns. The decode kernels take ``(pages, table)`` of a la
 (:meth:`Bank.layer`) and read a page from the bank when the table holds a slot for it, else from
 the cache. Three things keep the copies equal to the host, so greedy output cannot change:
 
-- writes go to the cache and, for resident pages, to the bank (:meth:`Bank.write_through`);
-- a refresh step promotes the pages its new masks read and copies the fills
-  (:meth:`Bank.promote`);
+- writes go to the cache and, for resident pages, to the bank (:meth:`Bank.plan_writes`);
+- every decode step promotes the pages its rows' masks read (:meth:`Bank.plan_promotion`), and
+  each layer copies its fills before it reads (:meth:`Bank.layer_work`);
 - pages that vLLM frees or rewrites outside attention are invalidated (``tier.HostTier.release``).
 
-Everything is fixed-shape device work, so it runs inside captured decode graphs.
+The builder plans all of it once per step for every layer at once (a few dozen device ops, run
+eagerly before the step's graph); a layer only launches its copy and its bank write, both
+fixed-shape, so decode still replays as one CUDA graph. A row's promotion uses the masks it
+starts the step with: pages a refresh newly selects are read from the host at that step and
+promoted at the next.
 
 Prefill chunks read a request's whole context again for every query block, far too often to
 read it over the bus, so a chunk of more than one query block first copies the request's pages
@@ -26,8 +30,9 @@ from collections.abc import Callable
 import torch
 from vllm_infinitehip.block_manager.page_cache import PageCache
 
-# Bank.counters entries: pages the decode attention read from the bank / the host, on refresh
-# steps and on reuse steps; pages copied into the bank; decode layer-steps counted.
+# Bank.counters entries: pages the sparse decode rows read from the bank / the host (counted when
+# the step is planned, from the masks it starts with), for rows that refresh this step and rows
+# that reuse their masks; pages copied into the bank; decode layer-steps counted.
 COUNTER_NAMES = (
     "attn_bank_pages_refresh", "attn_host_pages_refresh", "attn_bank_pages_reuse",
     "attn_host_pages_reuse", "filled_pages", "decode_layer_steps",
@@ -39,16 +44,17 @@ def decode_read_pages(
     final_starts: torch.Tensor, final_counts: torch.Tensor, sink_tokens: int, window_tokens: int,
     page_size: int,
 ) -> torch.Tensor:
-    """``[B, P]`` page ids a sparse decode row's attention reads, most valuable first: sink,
-    window (newest first: it is read until the window passes it), final blocks. -1 padding;
-    repeats possible. Rows without a state slot (dense) read nothing here."""
+    """``[L, B, P]`` page ids each layer's attention reads for a sparse decode row, most
+    valuable first: sink, window (newest first: it is read until the window passes it), final
+    blocks (``final_starts [L, slots, W]`` token starts, ``final_counts [L, slots]`` valid).
+    -1 padding; repeats possible. Rows without a state slot (dense) read nothing here."""
     device = block_table.device
     b, max_pages = block_table.shape
+    layers, _, width = final_starts.shape
     seq_lens = seq_lens.long()
     row_slot = slots.long().clamp(min=0)
-    width = final_starts.shape[1]
-    valid_final = torch.arange(width, device=device) < final_counts[row_slot].view(b, 1)
-    final_idx = torch.where(valid_final, final_starts[row_slot].long() // page_size, -1)
+    valid_final = torch.arange(width, device=device) < final_counts[:, row_slot].unsqueeze(2)
+    final_idx = torch.where(valid_final, final_starts[:, row_slot].long() // page_size, -1)
     sink_n = -(-sink_tokens // page_size)
     sink_idx = torch.arange(sink_n, device=device).expand(b, sink_n)
     win_n = -(-window_tokens // page_size) + 1
@@ -56,9 +62,11 @@ def decode_read_pages(
     last = ((seq_lens - 1) // page_size).view(b, 1)
     win_idx = last - torch.arange(win_n, device=device)
     win_idx = torch.where(win_idx >= first_win.view(b, 1), win_idx, -1)
-    idx = torch.cat([sink_idx, win_idx, final_idx], dim=1)
-    valid = (idx >= 0) & (idx <= last) & (slots >= 0).view(b, 1)
-    pages = block_table.gather(1, idx.clamp(0, max_pages - 1)).long()
+    shared = torch.cat([sink_idx, win_idx], dim=1).expand(layers, b, sink_n + win_n)
+    idx = torch.cat([shared, final_idx], dim=2)
+    valid = (idx >= 0) & (idx <= last) & (slots >= 0).view(1, b, 1)
+    table = block_table.expand(layers, b, max_pages)
+    pages = table.gather(2, idx.clamp(0, max_pages - 1)).long()
     return torch.where(valid, pages, -1)
 
 
@@ -99,43 +107,72 @@ class Bank:
         return self.pages[layer], self.cache.table[layer]
 
     # ------------------------------------------------------------------ per step
-    def write_through(
-        self, layer: int, slot_mapping: torch.Tensor,
-        write: Callable[[torch.Tensor, torch.Tensor], None],
-    ) -> None:
-        """Repeat a KV write into the bank for tokens whose page is resident: ``write(cache,
-        slot_mapping)`` is the same writer the host cache got, aimed at the bank's pages."""
-        bs = self.page_size
-        page = torch.div(slot_mapping, bs, rounding_mode="floor")
-        slot = self.cache.slots_of(layer, torch.where(slot_mapping >= 0, page, -1)).long()
-        bank_slots = torch.where((slot_mapping >= 0) & (slot >= 0), slot * bs + slot_mapping % bs, -1)
-        write(self.pages[layer], bank_slots)
+    def allocate_plan(self, max_entries: int, max_tokens: int) -> None:
+        """Persistent per-step buffers a captured graph reads (rewritten every step): each
+        layer's fills to copy, and each layer's bank slot for every token the step writes."""
+        i64 = dict(dtype=torch.int64, device=self.pages.device)
+        layers = self.cache.layers
+        self.fill_pages = torch.full((layers, max_entries), -1, **i64)
+        self.fill_slots = torch.full((layers, max_entries), -1, **i64)
+        self.write_slots = torch.full((layers, max_tokens), -1, **i64)
 
-    def promote(
-        self, layer: int, kv_cache: torch.Tensor, pages: torch.Tensor, refreshing: torch.Tensor,
-        copy: Callable[..., None],
-    ) -> None:
-        """A decode step's bank work for one layer. Rows that refreshed their masks
-        (``refreshing[b]``) promote the pages they now read (``pages[b]``, from
-        :func:`decode_read_pages`) and the fills are copied from the cache
-        (``copy(kv_cache, bank_pages, fill_pages, fill_slots)``); then every row's reads are
-        counted as bank or host reads."""
+    def plan_promotion(self, pages: torch.Tensor, promote: torch.Tensor,
+                       refreshing: torch.Tensor) -> None:  # fmt: skip
+        """Once per decode step, for every layer: rows with ``promote[b]`` make the pages they
+        read (``pages [L, B, P]``, from :func:`decode_read_pages`) resident, and the fills land
+        in :attr:`fill_pages` / :attr:`fill_slots` for each layer to copy before it reads. Then
+        the rows' reads are counted as bank or host reads (``refreshing[b]``: this step reruns
+        the row's stages)."""
+        layers, b, p = pages.shape
         # column by column: every row's sink pages, then windows, then final blocks, so that one
         # row's final blocks never take the slots another row's window needs
-        wanted = torch.where(refreshing.view(-1, 1), pages, -1).t().reshape(-1)
-        promotion = self.cache.promote(layer, wanted)
-        copy(kv_cache, self.pages[layer], promotion.fill_pages, promotion.fill_slots)
+        wanted = torch.where(promote.view(1, b, 1), pages, -1)
+        wanted = wanted.transpose(1, 2).reshape(layers, -1)
+        promotion = self.cache.promote_all(wanted)
+        n = wanted.shape[1]
+        self.fill_pages[:, n:] = -1
+        self.fill_slots[:, n:] = -1
+        self.fill_pages[:, :n] = promotion.fill_pages
+        self.fill_slots[:, :n] = promotion.fill_slots
         valid = pages >= 0
-        resident = valid & (self.cache.slots_of(layer, pages) >= 0)
+        at = torch.where(valid, pages, self.cache.num_pages).view(layers, -1)
+        slot = self.cache.table.gather(1, at)
+        resident = valid & (slot.view(layers, b, p) >= 0)
         host = valid & ~resident
-        refresh_rows = refreshing.view(-1, 1)
-        c = self.counters
-        c[0] += (resident & refresh_rows).sum()
-        c[1] += (host & refresh_rows).sum()
-        c[2] += (resident & ~refresh_rows).sum()
-        c[3] += (host & ~refresh_rows).sum()
-        c[4] += (promotion.fill_slots >= 0).sum()
-        c[5] += 1
+        refresh_rows = refreshing.view(1, b, 1)
+        counts = torch.stack([
+            (resident & refresh_rows).sum(), (host & refresh_rows).sum(),
+            (resident & ~refresh_rows).sum(), (host & ~refresh_rows).sum(),
+            (promotion.fill_slots >= 0).sum(),
+            torch.full((), layers, dtype=torch.int64, device=pages.device),
+        ])  # fmt: skip
+        self.counters += counts
+
+    def clear_fills(self) -> None:
+        self.fill_slots.fill_(-1)
+
+    def plan_writes(self, slot_mapping: torch.Tensor) -> None:
+        """Once per step, for every layer: the bank slot of each token the step writes (-1:
+        the page is not resident, the write goes to the host only)."""
+        n = slot_mapping.shape[0]
+        bs, layers = self.page_size, self.cache.layers
+        page = torch.div(slot_mapping, bs, rounding_mode="floor")
+        page = torch.where(slot_mapping >= 0, page, self.cache.num_pages).view(1, n)
+        slot = self.cache.table.gather(1, page.expand(layers, n)).long()
+        self.write_slots[:, n:] = -1
+        self.write_slots[:, :n] = torch.where(slot >= 0, slot * bs + slot_mapping % bs, -1)
+
+    def layer_work(
+        self, layer: int, kv_cache: torch.Tensor, n_tokens: int, copy: Callable[..., None],
+        write: Callable[[torch.Tensor, torch.Tensor], None], fills: bool,
+    ) -> None:  # fmt: skip
+        """A layer's share of the step's plan, before it reads: copy its fills from the cache
+        (``fills``: a promotion was planned, or a graph is being captured), then repeat the KV
+        write into its resident pages (``write(bank_pages, bank_slot_mapping)``, the writer the
+        host cache got)."""
+        if fills:
+            copy(kv_cache, self.pages[layer], self.fill_pages[layer], self.fill_slots[layer])
+        write(self.pages[layer], self.write_slots[layer, :n_tokens])
 
     # ------------------------------------------------------------------ introspection
     def stats(self, reset: bool = False) -> dict[str, int]:
@@ -169,7 +206,8 @@ class PrefillStaging:
 
     @staticmethod
     def bytes_for(max_pages: int, page_shape: tuple[int, ...], dtype: torch.dtype) -> int:
-        return max_pages * torch.Size(page_shape).numel() * torch.empty((), dtype=dtype).element_size()
+        element = torch.empty((), dtype=dtype).element_size()
+        return max_pages * torch.Size(page_shape).numel() * element
 
     def stage(
         self, kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int,

@@ -16,8 +16,9 @@ land on a spare table entry / spare slot), so a step plans promotions with no ho
 already resident are hits and get the new stamp; each missing page, in the order the call lists
 them (callers put what matters most first: sink and window pages), takes the least recently used
 slot that no page of the same call uses (ties: the lower slot), so the pages a step asks for
-never evict each other. Misses beyond the bank stay on the host and are read there. The caller copies the returned ``(pages, slots)`` pairs from
-host to bank. Reuse steps do not call it, as in the paper: between refreshes every read hits.
+never evict each other. Misses beyond the bank stay on the host and are read there. The caller
+copies the returned ``(pages, slots)`` pairs from host to bank. :meth:`PageCache.promote_all`
+does it for every layer at once (the bank plans each decode step so, block_manager/bank.py).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ _NEVER = torch.iinfo(torch.int64).max  # the sort key of a slot a call must not 
 @dataclass
 class Promotion:
     """What one :meth:`PageCache.promote` call decided, as fixed-shape device tensors of the
-    request's length ``N``: the fills to copy (``fill_pages[i] -> fill_slots[i]``, -1 where
-    entry ``i`` fills nothing), and the hit and miss counts over the call's distinct pages."""
+    request's length ``N`` (``[layers, N]`` for :meth:`PageCache.promote_all`): the fills to copy
+    (``fill_pages[i] -> fill_slots[i]``, -1 where entry ``i`` fills nothing), and the hit and
+    miss counts over the call's distinct pages."""
 
     fill_pages: torch.Tensor
     fill_slots: torch.Tensor
@@ -84,50 +86,62 @@ class PageCache:
         """Make ``pages`` (int ``[N]``, -1 padding, repeats allowed) resident in ``layer`` as far
         as the bank allows, evicting least recently used slots that this call does not use.
         Updates the table, owners, stamps and counters; returns the fills to copy."""
+        p = self._promote(slice(layer, layer + 1), pages.view(1, -1))
+        return Promotion(p.fill_pages[0], p.fill_slots[0], p.hits[0], p.misses[0])
+
+    def promote_all(self, pages: torch.Tensor) -> Promotion:
+        """:meth:`promote` for every layer at once: ``pages`` is ``[layers, N]``, and so are the
+        returned fills (hits and misses ``[layers]``)."""
+        return self._promote(slice(None), pages)
+
+    def _promote(self, rows: slice, pages: torch.Tensor) -> Promotion:
         n_slots = self.num_slots
         self.clock += 1
         now = self.clock
+        # views of the promoted layers' rows: the scatters below update the cache in place
+        table, owner, stamp = self.table[rows], self.owner[rows], self.stamp[rows]
         pages = pages.long()
-        n = pages.shape[0]
+        r, n = pages.shape
+        device = pages.device
+        stamps_now = now.expand(r, n)
         # each requested page's first occurrence, in request order: a stable sort puts the
         # earliest of equal pages first (padding sorts last as a huge key and is dropped)
         key = torch.where(pages >= 0, pages, _NEVER)
-        sorted_pages, order = torch.sort(key, stable=True)
-        first = torch.ones(n, dtype=torch.bool, device=pages.device)
-        first[1:] = sorted_pages[1:] != sorted_pages[:-1]
-        wanted = torch.zeros(n, dtype=torch.bool, device=pages.device)
-        wanted.scatter_(0, order, first & (sorted_pages != _NEVER))
+        sorted_pages, order = torch.sort(key, dim=1, stable=True)
+        first = torch.ones(r, n, dtype=torch.bool, device=device)
+        first[:, 1:] = sorted_pages[:, 1:] != sorted_pages[:, :-1]
+        wanted = torch.zeros(r, n, dtype=torch.bool, device=device)
+        wanted.scatter_(1, order, first & (sorted_pages != _NEVER))
         page_idx = torch.where(wanted, pages, self.num_pages)
-        slot = self.table[layer, page_idx].long()
+        slot = table.gather(1, page_idx).long()
         hit = wanted & (slot >= 0)
         miss = wanted & (slot < 0)
         # hits: refresh their stamps; they and every empty-or-old slot not used here are victims
-        stamp = self.stamp[layer]
         hit_slot = torch.where(hit, slot, n_slots)
-        stamp.scatter_(0, hit_slot, now.expand(n))
-        used = torch.zeros(n_slots + 1, dtype=torch.bool, device=pages.device)
-        used.scatter_(0, hit_slot, True)
-        order_key = torch.where(used[:n_slots], _NEVER, stamp[:n_slots])
+        stamp.scatter_(1, hit_slot, stamps_now)
+        used = torch.zeros(r, n_slots + 1, dtype=torch.bool, device=device)
+        used.scatter_(1, hit_slot, True)
+        order_key = torch.where(used[:, :n_slots], _NEVER, stamp[:, :n_slots])
         # stable: equal stamps (e.g. empty slots) go in slot order
-        victims = torch.sort(order_key, stable=True).indices
-        free = order_key[victims] != _NEVER
+        victims = torch.sort(order_key, dim=1, stable=True).indices
+        free = order_key.gather(1, victims) != _NEVER
         # the r-th miss (request order) takes the r-th victim, while victims last
-        misses_so_far = torch.cumsum(miss, 0)
+        misses_so_far = torch.cumsum(miss, 1)
         rank = (misses_so_far - 1).clamp(0, n_slots - 1)
-        victim = victims[rank]
-        take = miss & free[rank] & (misses_so_far <= n_slots)
+        victim = victims.gather(1, rank)
+        take = miss & free.gather(1, rank) & (misses_so_far <= n_slots)
         fill_slot = torch.where(take, victim, n_slots)
         fill_page = torch.where(take, pages, self.num_pages)
         # the evicted pages leave the table, then the new ones enter
-        old = self.owner[layer, fill_slot].long()
-        self.table[layer].scatter_(0, torch.where(take & (old >= 0), old, self.num_pages), -1)
-        self.table[layer].scatter_(0, fill_page, fill_slot.to(torch.int32))
-        self.owner[layer].scatter_(0, fill_slot, fill_page.to(torch.int32))
-        stamp.scatter_(0, fill_slot, now.expand(n))
+        old = owner.gather(1, fill_slot).long()
+        table.scatter_(1, torch.where(take & (old >= 0), old, self.num_pages), -1)
+        table.scatter_(1, fill_page, fill_slot.to(torch.int32))
+        owner.scatter_(1, fill_slot, fill_page.to(torch.int32))
+        stamp.scatter_(1, fill_slot, stamps_now)
         self._reset_spares()
-        n_hits, n_misses = hit.sum(), miss.sum()
-        self.hits[layer] += n_hits
-        self.misses[layer] += n_misses
+        n_hits, n_misses = hit.sum(dim=1), miss.sum(dim=1)
+        self.hits[rows] += n_hits
+        self.misses[rows] += n_misses
         return Promotion(
             torch.where(take, pages, -1), torch.where(take, victim, -1), n_hits, n_misses
         )

@@ -64,8 +64,9 @@ def test_decode_read_pages_are_sink_window_and_final_blocks():
     final = torch.randint(0, 600, (3, 8), generator=gen, dtype=torch.int32) // 8 * 8
     counts = torch.tensor([8, 5, 0], dtype=torch.int32)
     slots = torch.tensor([1, 0, -1], dtype=torch.int32)
-    got = decode_read_pages(table, torch.tensor(seq_lens, dtype=torch.int32), slots, final,
-                            counts, params.sink_tokens, params.window_tokens, PAGE)  # fmt: skip
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    got = decode_read_pages(table, lens, slots, final[None], counts[None], params.sink_tokens,
+                            params.window_tokens, PAGE)[0]  # fmt: skip
     for b, (t, s) in enumerate(zip(seq_lens, slots.tolist())):
         want = set()
         if s >= 0:
@@ -76,11 +77,16 @@ def test_decode_read_pages_are_sink_window_and_final_blocks():
         assert {p for p in got[b].tolist() if p >= 0} == want, b
 
 
-def _write_token(cache, bank, table, b, pos, k, v):
-    slot = (table[b, pos // PAGE].long() * PAGE + pos % PAGE).view(1)
-    ref.write_paged_kv(cache, k, v, slot)
+def _write_tokens(cache, bank, table, lens, k, v):
+    """The step's KV write as the backend does it: the host, then the layer's planned fills
+    and its bank write."""
+    slots = torch.stack([table[b, t // PAGE].long() * PAGE + t % PAGE for b, t in enumerate(lens)])
     if bank is not None:
-        bank.write_through(0, slot, lambda pages, s: ref.write_paged_kv(pages, k, v, s))
+        bank.plan_writes(slots)
+    ref.write_paged_kv(cache, k, v, slots)
+    if bank is not None:
+        write = lambda pages, s: ref.write_paged_kv(pages, k, v, s)
+        bank.layer_work(0, cache, len(lens), triton_bank.copy_pages_reference, write, fills=True)
 
 
 def _decode_loop(bank: Bank | None, steps: int, seed: int):
@@ -91,24 +97,27 @@ def _decode_loop(bank: Bank | None, steps: int, seed: int):
     masks = dec.DecodeMasks.allocate(params, 64, 2, torch.device("cpu"))
     outs = []
     lens = list(seq_lens)
+    if bank is not None:
+        bank.allocate_plan(2 * 64, 2)
     for step in range(steps):
-        for b in range(2):
-            k, v = torch.randn(2, 1, HKV, D, generator=gen)
-            _write_token(cache, bank, table, b, lens[b], k, v)
-            lens[b] += 1
-        q = torch.randn(2, HQ, D, generator=gen)
         level = refresh_level(step, INTERVALS)
         i32 = dict(dtype=torch.int32)
-        rows = dec.DecodeRows(table, torch.tensor(lens, **i32), torch.tensor([0, 1], **i32),
-                              torch.tensor([level, level], **i32))  # fmt: skip
+        rows = dec.DecodeRows(table, torch.tensor([t + 1 for t in lens], **i32),
+                              torch.tensor([0, 1], **i32),
+                              torch.tensor([level] * 2, **i32))  # fmt: skip
+        if bank is not None:  # the builder's plan: promote what the rows' masks read now
+            pages = decode_read_pages(table, rows.seq_lens, rows.slots, masks.final[None],
+                                      masks.final_counts()[None], params.sink_tokens,
+                                      params.window_tokens, PAGE)  # fmt: skip
+            bank.plan_promotion(pages, torch.full((2,), level > 0),
+                                torch.full((2,), level < len(INTERVALS)))  # fmt: skip
+        k, v = torch.randn(2, 2, HKV, D, generator=gen)
+        _write_tokens(cache, bank, table, lens, k, v)
+        lens = [t + 1 for t in lens]
+        q = torch.randn(2, HQ, D, generator=gen)
         view = bank.layer(0) if bank is not None else None
         dec.refresh_masks_reference(params, masks, q, cache, rows, D**-0.5, view)
         if bank is not None:
-            pages = decode_read_pages(table, rows.seq_lens, rows.slots, masks.final,
-                                      masks.final_counts(), params.sink_tokens,
-                                      params.window_tokens, PAGE)  # fmt: skip
-            refreshing = torch.full((2,), level < len(INTERVALS))
-            bank.promote(0, cache, pages, refreshing, triton_bank.copy_pages_reference)
             resident = (bank.cache.table[0, :-1] >= 0).nonzero().flatten()
             slots = bank.cache.table[0, resident].long()
             assert torch.equal(bank.pages[0, slots], cache[resident]), f"step {step}"
@@ -127,6 +136,7 @@ def test_decode_through_a_small_bank_equals_the_tier_off():
     assert torch.equal(got_masks.final, want_masks.final)
     stats = bank.stats()
     # each row reads ~18 pages, both ~36: the 12 slots fill, and the rest is read on the host
+    # (a step's promotion uses the masks it starts with: refreshed pages come in a step later)
     assert stats["resident_pages"] == stats["bank_slots"] == 12
     assert stats["filled_pages"] >= 12
     assert stats["attn_host_pages_refresh"] > 0 and stats["attn_bank_pages_refresh"] > 0

@@ -144,3 +144,23 @@ def test_least_recently_used_goes_first():
 def test_a_bank_of_zero_slots_is_refused():
     with pytest.raises(ValueError, match="at least one slot"):
         PageCache(1, 4, 0, torch.device("cpu"))
+
+
+def test_promoting_every_layer_at_once_equals_one_layer_at_a_time():
+    rng = random.Random(11)
+    cpu = torch.device("cpu")
+    batched, single = PageCache(3, 40, 6, cpu), PageCache(3, 40, 6, cpu)
+    for _ in range(30):
+        pages = torch.tensor([[rng.choice([-1] + list(range(40))) for _ in range(9)]
+                              for _ in range(3)])  # fmt: skip
+        got = batched.promote_all(pages)
+        for layer in range(3):
+            want = single.promote(layer, pages[layer])
+            assert torch.equal(got.fill_pages[layer], want.fill_pages)
+            assert torch.equal(got.fill_slots[layer], want.fill_slots)
+        if rng.random() < 0.2:
+            gone = torch.tensor(rng.sample(range(40), 5))
+            batched.invalidate(gone)
+            single.invalidate(gone)
+    for name in ("table", "owner", "hits", "misses"):
+        assert torch.equal(getattr(batched, name), getattr(single, name)), name

@@ -107,16 +107,14 @@ def _current_device(vllm_config: VllmConfig) -> torch.device:
     return device
 
 
-def _current_bank(layer_name: str) -> tuple[Bank, int] | None:
-    """The bank of this layer's group in the running step, and the layer's index in it (None
-    with offload off, and in the profiling run, which has no metadata)."""
+def _current_plan(layer_name: str) -> StepPlan | None:
+    """The running step's plan of this layer's group (None in the profiling run, which has no
+    metadata): ``do_kv_cache_update`` gets no metadata from vLLM."""
     from vllm.forward_context import get_forward_context
 
     metadata = get_forward_context().attn_metadata
     m = metadata.get(layer_name) if isinstance(metadata, dict) else None
-    if m is None or m.plan.bank is None:
-        return None
-    return m.plan.bank, m.plan.bank_layers[layer_name]
+    return None if m is None else m.plan
 
 
 def _page_copier(device: torch.device):
@@ -211,6 +209,8 @@ class StepPlan:
     bank: Bank | None = None
     bank_layers: dict[str, int] = field(default_factory=dict)
     staging: PrefillStaging | None = None
+    # whether this step's layers copy planned fills into the bank (host: set by the builder)
+    bank_fills: bool = False
 
 
 @dataclass
@@ -278,16 +278,67 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
                               kv_fp8=is_fp8_kv(vllm_config.cache_config.cache_dtype)),
         )  # fmt: skip
         if self.config.offload.enabled:
-            self.plan.bank, self.plan.staging = _make_bank(
-                self.config, vllm_config, kv_cache_spec, len(layer_names), device
-            )
-            self.plan.bank_layers = {name: i for i, name in enumerate(layer_names)}
+            self._setup_tier(vllm_config, kv_cache_spec, layer_names, any_params, device)
         i32 = dict(dtype=torch.int32, device=device)
         # persistent per-row buffers: what a captured graph reads is rewritten each step
         self._row_slots = torch.full((max_rows,), -1, **i32)
         self._row_levels = torch.full((max_rows,), -1, **i32)
         self._row_seq_lens = torch.zeros(max_rows, **i32)
         logger.info_once("InfiniteHiP config: %s", self.config.summary())
+
+    def _setup_tier(
+        self, vllm_config: VllmConfig, spec: AttentionSpec, layer_names: list[str],
+        params: ref.PruneParams, device: torch.device,
+    ) -> None:  # fmt: skip
+        """The host tier's bank and staging, and every layer's final masks in one tensor so that
+        a step plans the promotions of all layers at once."""
+        plan = self.plan
+        plan.bank, plan.staging = _make_bank(
+            self.config, vllm_config, spec, len(layer_names), device
+        )
+        plan.bank_layers = {name: i for i, name in enumerate(layer_names)}
+        self._final_all = torch.stack([plan.masks[n].final for n in layer_names])
+        self._counts_all = torch.stack([plan.masks[n].counts for n in layer_names])
+        for i, name in enumerate(layer_names):
+            plan.masks[name] = dataclasses.replace(
+                plan.masks[name], final=self._final_all[i], counts=self._counts_all[i]
+            )
+        self._tier_window = (params.sink_tokens, params.window_tokens)
+        n_stages = len(params.stages)
+        self._n_stages = n_stages
+        page = spec.block_size
+        per_row = -(-params.sink_tokens // page) + (-(-params.window_tokens // page) + 1)
+        per_row += self._final_all.shape[2]
+        plan.bank.allocate_plan(
+            vllm_config.scheduler_config.max_num_seqs * per_row,
+            vllm_config.scheduler_config.max_num_batched_tokens,
+        )
+
+    def _plan_tier(self, m: CommonAttentionMetadata, num_decodes: int, capture: bool) -> None:
+        """The step's bank work for every layer (eager, before the step's graph): promotions
+        for the decode rows, and where each written token goes in the bank."""
+        bank = self.plan.bank
+        if capture:  # the graph must hold the layers' copies; nothing to copy at capture
+            bank.clear_fills()
+            bank.write_slots.fill_(-1)
+            self.plan.bank_fills = True
+            return
+        self.plan.bank_fills = num_decodes > 0
+        if num_decodes:
+            slots = self._row_slots[:num_decodes]
+            levels = self._row_levels[:num_decodes]
+            pages = decode_read_pages(
+                m.block_table_tensor[:num_decodes], self._row_seq_lens[:num_decodes], slots,
+                self._final_all, self._counts_all[:, :, -1], *self._tier_window, self.block_size,
+            )  # fmt: skip
+            # a row at level 0 is new (its slot's masks are a former owner's) or reruns every
+            # stage; the others' masks are the last step's, exactly what they will read
+            promote = (slots >= 0) & (levels > 0)
+            refreshing = (levels >= 0) & (levels < self._n_stages)
+            bank.plan_promotion(pages, promote, refreshing)
+        else:  # a graph that captured a layer's copy must find nothing stale to copy
+            bank.clear_fills()
+        bank.plan_writes(m.slot_mapping[: m.num_actual_tokens])
 
     def build_for_cudagraph_capture(
         self, common_attn_metadata: CommonAttentionMetadata
@@ -342,6 +393,8 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             )  # fmt: skip
         elif not capture:
             slots.release_all()
+        if self.plan.bank is not None:
+            self._plan_tier(m, num_decodes, capture)
         return InfiniteHiPMetadata(
             num_actual_tokens=m.num_actual_tokens,
             block_table=m.block_table_tensor,
@@ -536,12 +589,13 @@ class InfiniteHiPImpl(AttentionImpl):
         slot_mapping: torch.Tensor,
     ) -> None:
         self._write_kv(layer, key, value, kv_cache, slot_mapping)
-        bank = _current_bank(layer.layer_name)
-        if bank is not None:
-            index = bank[1]
-            bank[0].write_through(
-                index, slot_mapping,
+        plan = _current_plan(layer.layer_name)
+        if plan is not None and plan.bank is not None:
+            plan.bank.layer_work(
+                plan.bank_layers[layer.layer_name], kv_cache, slot_mapping.shape[0],
+                _page_copier(kv_cache.device),
                 lambda pages, slots: self._write_kv(layer, key, value, pages, slots),
+                fills=plan.bank_fills,
             )  # fmt: skip
 
     def _write_kv(
@@ -604,17 +658,6 @@ class InfiniteHiPImpl(AttentionImpl):
         if m.run_cascade:
             ops.refresh_decode(self._params, masks, q, kv_cache, rows, self.scale, self._scratch,
                                **self._kv_scales)  # fmt: skip
-            bank = m.plan.bank
-            if bank is not None:
-                # the pages the new masks read move into the bank before attention reads them
-                p = self._params
-                pages = decode_read_pages(
-                    rows.block_table, rows.seq_lens, rows.slots, masks.final,
-                    masks.final_counts(), p.sink_tokens, p.window_tokens, bank.page_size,
-                )  # fmt: skip
-                refreshing = (rows.slots >= 0) & (rows.levels >= 0)
-                refreshing &= rows.levels < len(p.stages)
-                bank.promote(self._bank_layer, kv_cache, pages, refreshing, self._copy_pages)
         ops.attend_decode(self._params, masks, q, kv_cache, rows, self.scale, out, self.pairs,
                           self._scratch, **self._kv_scales)  # fmt: skip
         if self.recall_log is not None:
