@@ -35,6 +35,7 @@ case $what in
     # tier on/off greedy test through vLLM with CUDA graphs
     timeout 120 $PYTEST -m "not vllm" -k "not offload_selects and not refuses_a_custom" \
       tests/test_offload_config.py 2>&1 | tail -3
+    timeout 120 $PYTEST tests/gpu/test_bank_gpu.py tests/test_bank.py tests/test_page_cache.py 2>&1 | tail -3
     timeout 240 $PYTEST -x -rA tests/gpu -k host_tier 2>&1 | tee "$OUTDIR/gpu-tier-tests.log" \
       | grep -E "passed|failed|Error|assert|PASSED|FAILED" | grep -vE "^(INFO|WARNING|DEBUG)" | tail -20 ;;
   offload)
