@@ -74,11 +74,29 @@ def route_cpu_platform() -> None:
 
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
         if selected_backend is not None and selected_backend.name == BACKEND_NAME:
+            _refuse_invalid_configuration(attn_selector_config)
             return BACKEND_CLASS_PATH
         return original_func(cls, selected_backend, attn_selector_config, num_heads)
 
     setattr(get_attn_backend_cls, _PATCHED_MARK, True)
     CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)  # type: ignore
+
+
+def _refuse_invalid_configuration(attn_selector_config: Any) -> None:
+    """What ``CudaPlatform`` checks for an explicitly selected backend and ``CpuPlatform`` does
+    not: without it a ``--kv-cache-dtype`` the backend refuses (fp8_e5m2) would run on the CPU,
+    its uint8 storage read as e4m3. Same message as vLLM's."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    backend_cls = AttentionBackendEnum[BACKEND_NAME].get_class()
+    reasons = backend_cls.validate_configuration(
+        device_capability=None, **attn_selector_config._asdict()
+    )
+    if reasons:
+        raise ValueError(
+            f"Selected backend {AttentionBackendEnum[BACKEND_NAME]} is not valid for this "
+            f"configuration. Reason: {reasons}"
+        )
 
 
 def uses_infinitehip(vllm_config: Any) -> bool:

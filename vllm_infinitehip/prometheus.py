@@ -242,12 +242,13 @@ class InfiniteHiPPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:  # fmt: skip
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        from vllm_infinitehip.compat import uses_infinitehip
         from vllm_infinitehip.config import InfiniteHiPConfig
 
-        try:
-            self.tier_on = InfiniteHiPConfig.from_vllm_config(vllm_config).offload.enabled
-        except Exception:  # not an infinitehip engine: its config was never validated
-            self.tier_on = False
+        # another backend's engine never had our config validated: no tier series for it
+        self.tier_on = uses_infinitehip(vllm_config) and (
+            InfiniteHiPConfig.from_vllm_config(vllm_config).offload.enabled
+        )
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
             return self._counter_cls(name=f"vllm:infinitehip_{name}", documentation=doc,
