@@ -160,6 +160,12 @@ def use_host_tier_worker(vllm_config: Any) -> None:
             f"`infinitehip.offload` cannot run with a KV connector ({given}): both decide where "
             f"vLLM's KV blocks live. Drop the connector, or turn `infinitehip.offload` off"
         )
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+        # sleep frees and restores vLLM's cumem pool; the host KV lives outside it
+        raise InfiniteHiPConfigError(
+            "`infinitehip.offload` cannot run with enable_sleep_mode: the host tier's KV lives "
+            "outside the memory pool that sleep and wake_up manage. Turn one of them off"
+        )
     kind = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
     if kind is None:
         raise InfiniteHiPConfigError(
