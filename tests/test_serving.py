@@ -340,3 +340,20 @@ def test_the_host_tier_accepts_our_metrics_connector_and_no_other(tiny_model):
     other = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
     with pytest.raises(ValueError, match=r"`infinitehip\.offload` cannot run with a KV connector"):
         _engine_config(tiny_model, {"offload": True}, kv_transfer_config=multi(ours, other))
+
+
+def test_vllm_bench_serve_runs_against_the_server(server, tmp_path):
+    """The recipe's tool (benchmarks/serve_recipe.sh) against infinitehip, at a size the CPU
+    runs: every request succeeds and the run reaches the sparse path, on /metrics."""
+    base, model, _ = server
+    sparse = "vllm:infinitehip_queries_total{kind=sparse_decode}"
+    before = scrape(base).get(sparse, 0.0)
+    cmd = [VLLM, "bench", "serve", "--backend", "vllm", "--base-url", base, "--model", model,
+           "--dataset-name", "random", "--random-input-len", "1600", "--random-output-len", "8",
+           "--ignore-eos", "--num-prompts", "4", "--max-concurrency", "2", "--seed", "0",
+           "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"]  # fmt: skip
+    subprocess.run(cmd, check=True, timeout=300, env=serve_env(), capture_output=True)
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["completed"] == 4 and result.get("failed", 0) == 0
+    assert result["total_output_tokens"] == 4 * 8
+    wait_metric(base, sparse, lambda v: v >= before + 4 * 7)  # 7 decode steps per request
