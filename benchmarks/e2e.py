@@ -96,6 +96,24 @@ def kernel_table(prof, steps: int, top: int = 16) -> dict[str, float]:
     return table
 
 
+def timed_generate(llm):
+    """``call(prompts, max_tokens) -> (seconds, outputs)``: greedy, ``ignore_eos``, token-id
+    prompts; its first use (a warm-up prompt past the dense threshold, where Triton compiles
+    the kernels) is made here and not timed."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def call(prompts, max_tokens):
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        t = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
+                            use_tqdm=False)  # fmt: skip
+        return time.perf_counter() - t, outs
+
+    call([random_prompt(WARMUP_TOKENS, 1)], 8)
+    return call
+
+
 def decode_seconds(call, prompts) -> float:
     """Seconds of DECODE_TOKENS decode steps: a (DECODE_TOKENS + 1)-token call less a 1-token
     call on the same prompts (prefix-cache hits), the median of three of each."""
@@ -109,21 +127,13 @@ def decode_seconds(call, prompts) -> float:
 def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], max_len: int,
                budget_s: float) -> list[dict]:  # fmt: skip
     import torch
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     t_start = time.perf_counter()
     llm = LLM(model, **engine_spec(name, max_len))
     init_s = time.perf_counter() - t_start
 
-    def call(prompts, max_tokens):
-        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        t = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
-                            use_tqdm=False)  # fmt: skip
-        return time.perf_counter() - t, outs
-
-    call([random_prompt(WARMUP_TOKENS, 1)], 8)  # compiles the kernels; not timed
+    call = timed_generate(llm)
     rows = []
     backend = "flash_attn" if name == "flash_attn" else "infinitehip"
     preset = None if name == "flash_attn" else name.partition("+")[0]

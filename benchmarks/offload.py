@@ -36,13 +36,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from e2e import (
     DECODE_TOKENS,
-    WARMUP_TOKENS,
     decode_seconds,
     drive_engines,
     engine_spec,
     gpu_busy_share,
     kernel_table,
     random_prompt,
+    timed_generate,
 )
 
 KV_BYTES_PER_TOKEN = {"bf16": 128 * 1024, "fp8": 64 * 1024}  # Llama-3-8B: 32 layers, 8 KV heads
@@ -69,8 +69,7 @@ def spec_for(name: str, max_len: int, host_gib: float) -> dict:
 
 def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gib: float,
                budget_s: float) -> list[dict]:  # fmt: skip
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     from vllm_infinitehip.metrics import collect_stats
 
@@ -79,14 +78,7 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
     llm = LLM(model, **spec_for(name, max_len, host_gib))
     init_s = time.perf_counter() - t_start
 
-    def call(prompts, max_tokens):
-        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        t = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
-                            use_tqdm=False)  # fmt: skip
-        return time.perf_counter() - t, outs
-
-    call([random_prompt(WARMUP_TOKENS, 1)], 8)  # compiles the kernels; not timed
+    call = timed_generate(llm)
     rows = []
     for ctx in contexts:
         if time.perf_counter() - t_start > budget_s:
