@@ -184,7 +184,10 @@ class Bank:
         out["resident_pages"] = int(self.cache.occupancy().sum())
         out["bank_slots"] = self.num_slots * self.cache.layers
         out["layers"] = self.cache.layers
-        out["page_bytes"] = self.page_bytes
+        # with this bank's page size: summed over groups, bytes stay right where pages would not
+        out["host_read_bytes"] = self.page_bytes * (
+            out["attn_host_pages_refresh"] + out["attn_host_pages_reuse"] + out["filled_pages"]
+        )
         if reset:
             self.counters.zero_()
             self.cache.hits.zero_()

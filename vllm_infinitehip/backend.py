@@ -544,7 +544,9 @@ class InfiniteHiPImpl(AttentionImpl):
         self._bank_layer = -1
         # an fp8 cache's per-layer scales (vLLM's device tensors; readers dequantize with them)
         self._kv_scales: dict[str, torch.Tensor] = {}
-        self._copy_pages = None
+        # the host tier's page copy for this device (fills into the bank, prefill staging),
+        # picked once: do_kv_cache_update runs it for every layer of every step
+        self._copy_pages = _page_copier(device) if self.config.offload.enabled else None
 
     # ---------------------------------------------------------------- once per layer
     def _setup(self, layer: AttentionLayer, plan: StepPlan, device: torch.device) -> None:
@@ -563,7 +565,6 @@ class InfiniteHiPImpl(AttentionImpl):
         bank = plan.bank
         if bank is not None:
             self._bank_layer = plan.bank_layers[layer.layer_name]
-            self._copy_pages = _page_copier(device)
         self._scratch = dataclasses.replace(
             plan.scratch, placement=placement,
             bank=bank.layer(self._bank_layer) if bank is not None else None,
@@ -593,7 +594,7 @@ class InfiniteHiPImpl(AttentionImpl):
         if plan is not None and plan.bank is not None:
             plan.bank.layer_work(
                 plan.bank_layers[layer.layer_name], kv_cache, slot_mapping.shape[0],
-                _page_copier(kv_cache.device),
+                self._copy_pages,
                 lambda pages, slots: self._write_kv(layer, key, value, pages, slots),
                 fills=plan.bank_fills,
             )  # fmt: skip

@@ -127,11 +127,10 @@ def tier_ratios(tier: dict[str, int]) -> dict[str, float]:
     bank_r, host_r = tier["attn_bank_pages_refresh"], tier["attn_host_pages_refresh"]
     bank_u, host_u = tier["attn_bank_pages_reuse"], tier["attn_host_pages_reuse"]
     steps = tier["decode_layer_steps"] / max(1, tier["layers"])
-    host_pages = host_r + host_u + tier["filled_pages"]
     return {
         "hit_ratio_attn": ratio(bank_r + bank_u, host_r + host_u),
         "hit_ratio_attn_refresh": ratio(bank_r, host_r),
         "hit_ratio_attn_reuse": ratio(bank_u, host_u),
         "hit_ratio_promote": ratio(tier["promote_hits"], tier["promote_misses"]),
-        "host_bytes_per_step": host_pages * tier["page_bytes"] / steps if steps else 0.0,
+        "host_bytes_per_step": tier["host_read_bytes"] / steps if steps else 0.0,
     }

@@ -84,9 +84,7 @@ def _totals(impls: list, tp_rank: int) -> tuple[dict[str, int], dict[str, int]]:
         for key in ("attn_bank_pages_refresh", "attn_host_pages_refresh", "attn_bank_pages_reuse",
                     "attn_host_pages_reuse", "filled_pages", "promote_hits", "promote_misses"):
             counters[f"tier_{key}"] = tier[key]
-        host_pages = (tier["attn_host_pages_refresh"] + tier["attn_host_pages_reuse"]
-                      + tier["filled_pages"])  # fmt: skip
-        counters["tier_host_read_bytes"] = host_pages * tier["page_bytes"]
+        counters["tier_host_read_bytes"] = tier["host_read_bytes"]
         gauges["tier_resident_pages"] = tier["resident_pages"]
         gauges["tier_bank_slots"] = tier["bank_slots"]
     return counters, gauges
