@@ -114,6 +114,16 @@ def timed_generate(llm):
     return call
 
 
+def cold_prefill(call, prompt) -> tuple[float, float]:
+    """``(prefill_s, ttft_s)`` of a cold ``prompt`` with ``max_tokens=1``, from vLLM's request
+    timestamps (``first_token_ts - scheduled_ts``, ``first_token_latency``), else the wall time."""
+    wall, outs = call([prompt], 1)
+    m = outs[0].metrics
+    prefill = (m.first_token_ts - m.scheduled_ts) if m and m.first_token_ts else wall
+    ttft = m.first_token_latency if m and m.first_token_latency else wall
+    return prefill, ttft
+
+
 def decode_seconds(call, prompts) -> float:
     """Seconds of DECODE_TOKENS decode steps: a (DECODE_TOKENS + 1)-token call less a 1-token
     call on the same prompts (prefix-cache hits), the median of three of each."""
@@ -143,10 +153,7 @@ def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], ma
             print(f"[e2e] {name}: time budget spent before {ctx}", flush=True)
             break
         prompt = random_prompt(ctx - 1, ctx)
-        wall, outs = call([prompt], 1)
-        m = outs[0].metrics
-        prefill = (m.first_token_ts - m.scheduled_ts) if m and m.first_token_ts else wall
-        ttft = m.first_token_latency if m and m.first_token_latency else wall
+        prefill, ttft = cold_prefill(call, prompt)
         decode = DECODE_TOKENS / decode_seconds(call, [prompt])
         # GPU busy time from a profiled call, wall time from the same call unprofiled (the
         # profiler slows the host, not the kernels)

@@ -36,6 +36,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from e2e import (
     DECODE_TOKENS,
+    cold_prefill,
     decode_seconds,
     drive_engines,
     engine_spec,
@@ -85,9 +86,7 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
             print(f"[offload] {name}: time budget spent before {ctx}", flush=True)
             break
         prompt = random_prompt(ctx - 1, ctx)
-        wall, outs = call([prompt], 1)
-        m = outs[0].metrics
-        prefill = (m.first_token_ts - m.scheduled_ts) if m and m.first_token_ts else wall
+        prefill, _ = cold_prefill(call, prompt)
         _, outs = call([prompt], DECODE_TOKENS + 1)
         tokens = list(outs[0].outputs[0].token_ids)
         llm.collective_rpc(collect_stats, kwargs={"reset": True})
