@@ -165,6 +165,46 @@ def test_attention_recall_is_the_dense_mass_on_the_mask():
     assert got.new_zeros(hq).allclose(ref.attention_recall(q, k, pos, late, 0.25)[0])
 
 
+def _bank_over(cache: torch.Tensor, gen: torch.Generator, poison) -> tuple:
+    """A block table over ``cache``'s pages, half of them copied into a bank at random slots, and
+    the cache with those pages overwritten by ``poison`` (what a read through the bank must never
+    see)."""
+    n_pages = cache.shape[0]
+    perm = torch.randperm(n_pages, generator=gen)
+    table = torch.stack([perm[:57], torch.cat([perm[57:76], perm[:38]])]).int()
+    resident = torch.randperm(n_pages, generator=gen)[: n_pages // 2]
+    slots = torch.randperm(n_pages // 2 + 1, generator=gen)[: n_pages // 2]
+    pages = torch.zeros(n_pages // 2 + 1, *cache.shape[1:], dtype=cache.dtype)
+    pages[slots] = cache[resident]
+    residency = torch.full((n_pages,), -1, dtype=torch.int32)
+    residency[resident] = slots.int()
+    poisoned = cache.clone()
+    poisoned[resident] = poison
+    return table, (pages, residency), poisoned
+
+
+def _decode_through_bank(exact, poisoned, bank, table, seq_lens, gen, hq, d, **scales):
+    """The decode references on ``poisoned`` through ``bank`` store the masks and attend exactly
+    as on ``exact`` without one; returns what the fp8 test reuses."""
+    from vllm_infinitehip.kernels import decode as dec
+
+    stages = (ref.StageParams(64, 512, 32, 4), ref.StageParams(8, 64, 32, 1))
+    params = ref.PruneParams(sink_tokens=16, window_tokens=64, stages=stages)
+    q = torch.randn(2, hq, d, generator=gen)
+    i32 = dict(dtype=torch.int32)
+    rows = dec.DecodeRows(table, torch.tensor(seq_lens, **i32), torch.tensor([0, -1], **i32),
+                          torch.tensor([0, -1], **i32))  # fmt: skip
+    masks = [dec.DecodeMasks.allocate(params, 64, 2, torch.device("cpu")) for _ in range(2)]
+    dec.refresh_masks_reference(params, masks[0], q, exact, rows, 0.2)
+    dec.refresh_masks_reference(params, masks[1], q, poisoned, rows, 0.2, bank, **scales)
+    assert torch.equal(masks[0].final, masks[1].final) and int(masks[0].counts[0, -1]) == 8
+    want, pairs = dec.attend_reference(params, masks[0], q, exact, rows, 0.2)
+    got, got_pairs = dec.attend_reference(params, masks[1], q, poisoned, rows, 0.2, bank,
+                                          **scales)  # fmt: skip
+    assert torch.equal(got, want) and got_pairs == pairs
+    return params, masks[1], q, rows
+
+
 def test_reads_through_the_host_tier_bank_equal_the_cache():
     """The CPU path reads through the host tier's bank as the kernels do: with the cache's copies
     of resident pages poisoned, K/V gathers, decode masks and decode attention are unchanged."""
@@ -175,35 +215,14 @@ def test_reads_through_the_host_tier_bank_equal_the_cache():
     seq_lens = [900, 300]
     n_pages = sum(-(-s // page) for s in seq_lens) + 2
     cache = torch.randn(n_pages, 2, page, hkv, d, generator=gen)
-    perm = torch.randperm(n_pages, generator=gen)
-    table = torch.stack([perm[:57], torch.cat([perm[57:76], perm[:38]])]).int()
-    resident = torch.randperm(n_pages, generator=gen)[: n_pages // 2]
-    slots = torch.randperm(n_pages // 2 + 1, generator=gen)[: n_pages // 2]
-    pages = torch.zeros(n_pages // 2 + 1, 2, page, hkv, d)
-    pages[slots] = cache[resident]
-    residency = torch.full((n_pages,), -1, dtype=torch.int32)
-    residency[resident] = slots.int()
-    bank = (pages, residency)
-    poisoned = cache.clone()
-    poisoned[resident] = float("nan")
+    table, bank, poisoned = _bank_over(cache, gen, float("nan"))
     for b, s in enumerate(seq_lens):
         for got, want in zip(ref.gather_paged_kv(poisoned, table[b], s, bank),
                              ref.gather_paged_kv(cache, table[b], s)):  # fmt: skip
             assert torch.equal(got, want)
-    stages = (ref.StageParams(64, 512, 32, 4), ref.StageParams(8, 64, 32, 1))
-    params = ref.PruneParams(sink_tokens=16, window_tokens=64, stages=stages)
-    q = torch.randn(2, hq, d, generator=gen)
-    i32 = dict(dtype=torch.int32)
-    rows = dec.DecodeRows(table, torch.tensor(seq_lens, **i32), torch.tensor([0, -1], **i32),
-                          torch.tensor([0, -1], **i32))  # fmt: skip
-    masks = [dec.DecodeMasks.allocate(params, 64, 2, torch.device("cpu")) for _ in range(2)]
-    dec.refresh_masks_reference(params, masks[0], q, cache, rows, 0.2)
-    dec.refresh_masks_reference(params, masks[1], q, poisoned, rows, 0.2, bank)
-    assert torch.equal(masks[0].final, masks[1].final) and int(masks[0].counts[0, -1]) == 8
-    want, pairs = dec.attend_reference(params, masks[0], q, cache, rows, 0.2)
-    got, got_pairs = dec.attend_reference(params, masks[1], q, poisoned, rows, 0.2, bank)
-    assert torch.equal(got, want) and got_pairs == pairs
-    assert torch.isnan(dec.attend_reference(params, masks[1], q, poisoned, rows, 0.2)[0]).any()
+    params, masks, q, rows = _decode_through_bank(cache, poisoned, bank, table, seq_lens, gen,
+                                                  hq, d)  # fmt: skip
+    assert torch.isnan(dec.attend_reference(params, masks, q, poisoned, rows, 0.2)[0]).any()
 
 
 # --------------------------------------------------------------------------- fp8 KV cache
@@ -271,17 +290,7 @@ def test_fp8_reads_through_the_bank_and_decode_references_dequantize():
     )
     deq = stored.float() * scales
     stored = stored.view(torch.uint8)  # vLLM's storage
-    perm = torch.randperm(n_pages, generator=gen)
-    table = torch.stack([perm[:57], torch.cat([perm[57:76], perm[:38]])]).int()
-    resident = torch.randperm(n_pages, generator=gen)[: n_pages // 2]
-    slots = torch.randperm(n_pages // 2 + 1, generator=gen)[: n_pages // 2]
-    pages = torch.zeros(n_pages // 2 + 1, 2, page, hkv, d, dtype=torch.uint8)
-    pages[slots] = stored[resident]
-    residency = torch.full((n_pages,), -1, dtype=torch.int32)
-    residency[resident] = slots.int()
-    bank = (pages, residency)
-    poisoned = stored.clone()
-    poisoned[resident] = 0x7F  # NaN in e4m3fn
+    table, bank, poisoned = _bank_over(stored, gen, 0x7F)  # 0x7F: NaN in e4m3fn
     sc = dict(k_scale=torch.tensor([0.5]), v_scale=torch.tensor([2.0]))
     for b, s in enumerate(seq_lens):
         want = ref.gather_paged_kv(deq, table[b], s)
@@ -289,18 +298,7 @@ def test_fp8_reads_through_the_bank_and_decode_references_dequantize():
             assert torch.equal(got, w)
         assert torch.isnan(ref.gather_paged_kv(poisoned, table[b], s, **sc)[0]).any()
 
-    stages = (ref.StageParams(64, 512, 32, 4), ref.StageParams(8, 64, 32, 1))
-    params = ref.PruneParams(sink_tokens=16, window_tokens=64, stages=stages)
-    q = torch.randn(2, hq, d, generator=gen)
-    i32 = dict(dtype=torch.int32)
-    rows = dec.DecodeRows(table, torch.tensor(seq_lens, **i32), torch.tensor([0, -1], **i32),
-                          torch.tensor([0, -1], **i32))  # fmt: skip
-    masks = [dec.DecodeMasks.allocate(params, 64, 2, torch.device("cpu")) for _ in range(2)]
-    dec.refresh_masks_reference(params, masks[0], q, deq, rows, 0.2)
-    dec.refresh_masks_reference(params, masks[1], q, poisoned, rows, 0.2, bank, **sc)
-    assert torch.equal(masks[0].final, masks[1].final) and int(masks[0].counts[0, -1]) == 8
-    want, pairs = dec.attend_reference(params, masks[0], q, deq, rows, 0.2)
-    got, got_pairs = dec.attend_reference(params, masks[1], q, poisoned, rows, 0.2, bank, **sc)
-    assert torch.equal(got, want) and got_pairs == pairs
+    params, masks, q, rows = _decode_through_bank(deq, poisoned, bank, table, seq_lens, gen, hq,
+                                                  d, **sc)  # fmt: skip
     with pytest.raises(ValueError, match="k_scale"):
-        dec.attend_reference(params, masks[1], q, stored, rows, 0.2)
+        dec.attend_reference(params, masks, q, stored, rows, 0.2)
