@@ -67,6 +67,13 @@ def _interpreter_env():
         _restore_interpret()
 
 
+def rope_plan(style: str | None, d: int) -> ref.RopePlan | None:
+    """Pruning in ``style`` with streaming block-sparse attention; None: no RoPE remapping."""
+    if style is None:
+        return None
+    return ref.RopePlan(RopeTable.default(d, 10000.0), pruning=style, bsa="streaming")
+
+
 def small_params(rope: ref.RopePlan | None = None, final_keep: int = 64) -> ref.PruneParams:
     stages = (
         ref.StageParams(64, 512, 32, 4),
@@ -118,9 +125,7 @@ ROPE_STYLES = [None, "relative", "chunk-indexed"]
 def test_batched_cascade_equals_reference_at_mixed_levels(rope_style):
     gen = torch.Generator().manual_seed(7 + len(str(rope_style)))
     hq, hkv, d, page = 4, 2, 32, 16
-    rope = None
-    if rope_style is not None:
-        rope = ref.RopePlan(RopeTable.default(d, 10000.0), pruning=rope_style, bsa="streaming")
+    rope = rope_plan(rope_style, d)
     params = small_params(rope)
     seq_lens = [1500, 2900, 700, 5000, 40]  # the last row is dense (no slot)
     cache, table, q = batch(seq_lens, hq, hkv, d, page, gen)
@@ -204,9 +209,7 @@ def test_cascade_reads_resident_pages_from_the_bank(rope_style):
     cascade through the bank stores exactly the masks it stores reading the cache alone."""
     gen = torch.Generator().manual_seed(21)
     hq, hkv, d, page = 4, 2, 32, 16
-    rope = None
-    if rope_style is not None:
-        rope = ref.RopePlan(RopeTable.default(d, 10000.0), pruning=rope_style, bsa="streaming")
+    rope = rope_plan(rope_style, d)
     params = small_params(rope)
     seq_lens = [1500, 2900, 700]
     cache, table, q = batch(seq_lens, hq, hkv, d, page, gen)
@@ -252,9 +255,7 @@ def test_fp8_cache_cascade_and_attention_equal_reference(rope_style, k_scale):
     """
     gen = torch.Generator().manual_seed(31 + len(str(rope_style)))
     hq, hkv, d, page = 4, 2, 32, 16
-    rope = None
-    if rope_style is not None:
-        rope = ref.RopePlan(RopeTable.default(d, 10000.0), pruning=rope_style, bsa="streaming")
+    rope = rope_plan(rope_style, d)
     params = small_params(rope)
     seq_lens = [1500, 700, 40]  # the last row is dense
     cache, table, q = batch(seq_lens, hq, hkv, d, page, gen)
