@@ -27,6 +27,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_server(cmd: list[str], log: Path, env: dict[str, str], timeout: float):
+    """Start ``vllm serve`` (``cmd``, its own process group, output to ``log``) and wait until
+    it is healthy; returns the process and its base URL, or fails the test with the log."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+    base = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited early:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            time.sleep(1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"vllm serve did not become healthy:\n{log.read_text()[-4000:]}")
+
+
 def serve_cmd(model: str, port: int, hip_config: dict) -> list[str]:
     return [
         VLLM, "serve", model, "--host", "127.0.0.1", "--port", str(port),
@@ -55,23 +76,7 @@ def server(tiny_model, tmp_path_factory):
            "stages": [{"chunk_size": 64, "keep_tokens": 1024, "block_size_q": 32},
                       {"chunk_size": 16, "keep_tokens": 512, "block_size_q": 32},
                       {"chunk_size": 8, "keep_tokens": 256, "block_size_q": 32}]}
-    with open(log, "w") as f:
-        proc = subprocess.Popen(serve_cmd(tiny_model, port, cfg), stdout=f, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 420
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vllm serve exited early:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            time.sleep(1)
-    else:
-        proc.kill()
-        pytest.fail(f"vllm serve did not become healthy:\n{log.read_text()[-4000:]}")
+    proc, base = start_server(serve_cmd(tiny_model, port, cfg), log, env, timeout=420)
     yield proc, base, tiny_model, log
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SMALL_HIP
-from tests.test_server import VLLM, free_port
+from tests.test_server import VLLM, free_port, start_server
 from tests.test_vllm_cpu import long_prompt
 from vllm_infinitehip.prometheus import metrics_connector_config
 
@@ -53,22 +53,7 @@ def serve_env() -> dict[str, str]:
 
 
 def start(cmd: list[str], log: Path):
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=serve_env(),
-                                start_new_session=True)  # fmt: skip
-    base = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vllm serve exited early:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, base
-        except OSError:
-            time.sleep(1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    pytest.fail(f"vllm serve did not become healthy:\n{log.read_text()[-4000:]}")
+    return start_server(cmd, log, serve_env(), timeout=300)
 
 
 def stop(proc) -> None:
