@@ -164,14 +164,17 @@ class Bank:
 
     def layer_work(
         self, layer: int, kv_cache: torch.Tensor, n_tokens: int, copy: Callable[..., None],
-        write: Callable[[torch.Tensor, torch.Tensor], None], fills: bool,
+        write: Callable[[torch.Tensor, torch.Tensor], None], fill_entries: int,
     ) -> None:  # fmt: skip
         """A layer's share of the step's plan, before it reads: copy its fills from the cache
-        (``fills``: a promotion was planned, or a graph is being captured), then repeat the KV
-        write into its resident pages (``write(bank_pages, bank_slot_mapping)``, the writer the
-        host cache got)."""
-        if fills:
-            copy(kv_cache, self.pages[layer], self.fill_pages[layer], self.fill_slots[layer])
+        (the first ``fill_entries`` of the plan: the decode rows' share, or at capture the
+        graph's batch), then repeat the KV write into its resident pages
+        (``write(bank_pages, bank_slot_mapping)``, the writer the host cache got)."""
+        if fill_entries:
+            copy(
+                kv_cache, self.pages[layer], self.fill_pages[layer, :fill_entries],
+                self.fill_slots[layer, :fill_entries],
+            )  # fmt: skip
         write(self.pages[layer], self.write_slots[layer, :n_tokens])
 
     # ------------------------------------------------------------------ introspection

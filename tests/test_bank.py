@@ -77,16 +77,19 @@ def test_decode_read_pages_are_sink_window_and_final_blocks():
         assert {p for p in got[b].tolist() if p >= 0} == want, b
 
 
-def _write_tokens(cache, bank, table, lens, k, v):
+def _write_tokens(cache, bank, table, lens, k, v, fill_entries=0):
     """The step's KV write as the backend does it: the host, then the layer's planned fills
-    and its bank write."""
+    (the rows' share of the plan) and its bank write."""
     slots = torch.stack([table[b, t // PAGE].long() * PAGE + t % PAGE for b, t in enumerate(lens)])
     if bank is not None:
         bank.plan_writes(slots)
     ref.write_paged_kv(cache, k, v, slots)
     if bank is not None:
         write = lambda pages, s: ref.write_paged_kv(pages, k, v, s)
-        bank.layer_work(0, cache, len(lens), triton_bank.copy_pages_reference, write, fills=True)
+        bank.layer_work(
+            0, cache, len(lens), triton_bank.copy_pages_reference, write,
+            fill_entries=fill_entries,
+        )  # fmt: skip
 
 
 def _decode_loop(bank: Bank | None, steps: int, seed: int):
@@ -98,7 +101,7 @@ def _decode_loop(bank: Bank | None, steps: int, seed: int):
     outs = []
     lens = list(seq_lens)
     if bank is not None:
-        bank.allocate_plan(2 * 64, 2)
+        bank.allocate_plan(4 * 64, 2)  # room for more rows than run: only their share is copied
     for step in range(steps):
         level = refresh_level(step, INTERVALS)
         i32 = dict(dtype=torch.int32)
@@ -112,7 +115,8 @@ def _decode_loop(bank: Bank | None, steps: int, seed: int):
             bank.plan_promotion(pages, torch.full((2,), level > 0),
                                 torch.full((2,), level < len(INTERVALS)))  # fmt: skip
         k, v = torch.randn(2, 2, HKV, D, generator=gen)
-        _write_tokens(cache, bank, table, lens, k, v)
+        share = pages.shape[1] * pages.shape[2] if bank is not None else 0
+        _write_tokens(cache, bank, table, lens, k, v, share)
         lens = [t + 1 for t in lens]
         q = torch.randn(2, HQ, D, generator=gen)
         view = bank.layer(0) if bank is not None else None

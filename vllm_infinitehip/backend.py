@@ -209,8 +209,9 @@ class StepPlan:
     bank: Bank | None = None
     bank_layers: dict[str, int] = field(default_factory=dict)
     staging: PrefillStaging | None = None
-    # whether this step's layers copy planned fills into the bank (host: set by the builder)
-    bank_fills: bool = False
+    # how many planned fill entries this step's layers scan (set by the builder): the decode
+    # rows' share of the plan, not its capacity, since every entry is a program even when empty
+    bank_fill_entries: int = 0
 
 
 @dataclass
@@ -309,6 +310,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         page = spec.block_size
         per_row = -(-params.sink_tokens // page) + (-(-params.window_tokens // page) + 1)
         per_row += self._final_all.shape[2]
+        self._tier_pages_per_row = per_row
         plan.bank.allocate_plan(
             vllm_config.scheduler_config.max_num_seqs * per_row,
             vllm_config.scheduler_config.max_num_batched_tokens,
@@ -321,9 +323,9 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         if capture:  # the graph must hold the layers' copies; nothing to copy at capture
             bank.clear_fills()
             bank.write_slots.fill_(-1)
-            self.plan.bank_fills = True
+            self.plan.bank_fill_entries = m.num_reqs * self._tier_pages_per_row
             return
-        self.plan.bank_fills = num_decodes > 0
+        self.plan.bank_fill_entries = num_decodes * self._tier_pages_per_row
         if num_decodes:
             slots = self._row_slots[:num_decodes]
             levels = self._row_levels[:num_decodes]
@@ -596,7 +598,7 @@ class InfiniteHiPImpl(AttentionImpl):
                 plan.bank_layers[layer.layer_name], kv_cache, slot_mapping.shape[0],
                 self._copy_pages,
                 lambda pages, slots: self._write_kv(layer, key, value, pages, slots),
-                fills=plan.bank_fills,
+                fill_entries=plan.bank_fill_entries,
             )  # fmt: skip
 
     def _write_kv(

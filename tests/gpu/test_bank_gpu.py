@@ -32,7 +32,7 @@ def _plan_and_run(device, cache, table, seq_lens, final, counts, steps, graph: b
 
     def layer_step():
         for layer in range(LAYERS):
-            bank.layer_work(layer, caches[layer], b, copy, write, fills=True)
+            bank.layer_work(layer, caches[layer], b, copy, write, fill_entries=b * 64)
 
     captured = None
     for step in range(steps):
