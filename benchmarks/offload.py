@@ -9,7 +9,7 @@ engine:
   t(1 token)) / 128``, medians of three (``e2e.decode_seconds``);
 - the greedy tokens of one 129-token call, compared across engines of the same context
   (``greedy_equal_to_tier_off``);
-- with the tier on, its counters over the timed decode calls (``metrics.collect_stats``):
+- with the tier on, its counters over the timed decode calls (the ``infinitehip_stats`` worker method):
   ``hit_ratio_attn`` (decode attention's page reads served by the bank), ``hit_ratio_promote``
   (pages a refresh asked for that were already resident), ``host_bytes_per_step`` (attention's
   host reads plus the copies into the bank). ``hit_ratio_mask`` stays null: the pruning stages
@@ -72,7 +72,6 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
                budget_s: float) -> list[dict]:  # fmt: skip
     from vllm import LLM
 
-    from vllm_infinitehip.metrics import collect_stats
 
     kv, bank = parse_engine(name)
     t_start = time.perf_counter()
@@ -89,9 +88,9 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
         prefill, _ = cold_prefill(call, prompt)
         _, outs = call([prompt], DECODE_TOKENS + 1)
         tokens = list(outs[0].outputs[0].token_ids)
-        llm.collective_rpc(collect_stats, kwargs={"reset": True})
+        llm.collective_rpc("infinitehip_stats", kwargs={"reset": True})
         decode = DECODE_TOKENS / decode_seconds(call, [prompt])
-        stats = llm.collective_rpc(collect_stats, kwargs={"reset": True})[0]
+        stats = llm.collective_rpc("infinitehip_stats", kwargs={"reset": True})[0]
         tier = stats.get("tier", {})
         # where a step's time goes: GPU time by kernel (graphs included) and the idle share,
         # from a profiled 33-token call against the same call unprofiled

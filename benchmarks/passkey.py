@@ -133,7 +133,6 @@ def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip:
     from vllm import LLM, SamplingParams
 
     from compare_ops import install  # benchmarks/compare_ops.py, beside this file
-    from vllm_infinitehip.metrics import collect_recall
 
     name = "infinitehip" if backend == "infinitehip" else "default"
     comparing = install(ops) if name == "infinitehip" else None
@@ -146,12 +145,12 @@ def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip:
             print(f"time budget spent: {name} stops before {context}/{depth}")
             break
         if name == "infinitehip":
-            llm.collective_rpc(collect_recall)  # on, and forget earlier prompts
+            llm.collective_rpc("infinitehip_recall")  # on, and forget earlier prompts
         out = llm.generate([prompt.text], params, use_tqdm=False)
         recall = []
         if name == "infinitehip":
             # the prompt's final query (in its last prefill chunk) and the decode steps
-            recall = [r for r in llm.collective_rpc(collect_recall, kwargs={"enable": False})[0]
+            recall = [r for r in llm.collective_rpc("infinitehip_recall", kwargs={"enable": False})[0]
                       if r["query"] == "decode" or r["seq_len"] == prompt.num_tokens]
         answer = out[0].outputs[0].text
         if not prompt.is_correct(answer):

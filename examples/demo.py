@@ -24,7 +24,6 @@ def main() -> int:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vllm_infinitehip.metrics import collect_stats
     from vllm_infinitehip.offline_models import smollm2_135m
     from vllm_infinitehip.passkey import make_passkey_prompt
 
@@ -47,10 +46,10 @@ def main() -> int:
         max_num_seqs=len(prompts),
     )
     t1 = time.time()
-    llm.collective_rpc(collect_stats, kwargs={"reset": True})  # drop the warm-up run's counts
+    llm.collective_rpc("infinitehip_stats", kwargs={"reset": True})  # drop the warm-up run's counts
     outs = llm.generate([p.text for p in prompts], SamplingParams(temperature=0, max_tokens=8))
     t2 = time.time()
-    stats = llm.collective_rpc(collect_stats)[0]
+    stats = llm.collective_rpc("infinitehip_stats")[0]
     right = 0
     print(f"\n{'tokens':>7} {'depth':>6} {'passkey':>8}  {'answer':<24} ok")
     for p, o in zip(prompts, outs):

@@ -107,6 +107,7 @@ def refresh_masks_reference(
     *,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    reduce_scores: ref.ScoreReduce | None = None,
 ) -> None:
     """What ``triton_decode.refresh_masks`` computes, with :func:`reference.run_stages` per row
     (keys read through ``bank`` and an fp8 cache dequantized with ``k_scale``, as
@@ -126,7 +127,8 @@ def refresh_masks_reference(
             starts = masks.inputs[level][slot, :width].long().view(1, width)
             valid = (torch.arange(width, device=q.device) < count).view(1, width)
             start_input = ref.Candidates(starts, valid)
-        result = ref.run_stages(params, q[b : b + 1], k, pos, scale, level, start_input)
+        result = ref.run_stages(params, q[b : b + 1], k, pos, scale, level, start_input,
+                                reduce_scores)  # fmt: skip
         for j in range(level + 1, n):
             cand = result.stage_inputs[j - level]
             starts = _compact(cand)

@@ -78,7 +78,10 @@ class AttentionOps(Protocol):
 
 
 class ReferenceOps:
-    """The PyTorch reference: the CPU path."""
+    """The PyTorch reference: the CPU path. ``reduce_scores``: see :func:`ops_for`."""
+
+    def __init__(self, reduce_scores: ref.ScoreReduce | None = None) -> None:
+        self.reduce_scores = reduce_scores
 
     def dense(self, req, q, positions, scale):
         k, v = req.contiguous()
@@ -86,7 +89,7 @@ class ReferenceOps:
 
     def prune(self, params, req, q, positions, scale):
         k, _ = req.contiguous()
-        return ref.run_stages(params, q, k, positions, scale)
+        return ref.run_stages(params, q, k, positions, scale, reduce_scores=self.reduce_scores)
 
     def attend(self, params, req, q, positions, scale, prune, slice_end):
         """Block-sparse attention; also the exact number of (query, key) pairs attended."""
@@ -97,7 +100,8 @@ class ReferenceOps:
     def refresh_decode(self, params, masks, q, kv_cache, rows, scale, scratch, *, k_scale=None,
                        v_scale=None):  # fmt: skip
         dec.refresh_masks_reference(params, masks, q, kv_cache, rows, scale, scratch.bank,
-                                    k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+                                    k_scale=k_scale, v_scale=v_scale,
+                                    reduce_scores=self.reduce_scores)  # fmt: skip
 
     def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch, *,
                       k_scale=None, v_scale=None):  # fmt: skip
@@ -112,10 +116,13 @@ class TritonOps:
     """Triton kernels over the paged cache: the GPU path; dense prefill runs vLLM's
     FlashAttention. RoPE remapping (§2) runs in the kernels: relative and chunk-indexed pruning
     and streaming BSA, for any pairing layout and partial rotary.
-    ``precision`` is the prefill pruning's (``triton_prune.select_rep_scores_paged``)."""
+    ``precision`` is the prefill pruning's (``triton_prune.select_rep_scores_paged``);
+    ``reduce_scores``: see :func:`ops_for`."""
 
-    def __init__(self, precision: str = "fp32") -> None:
+    def __init__(self, precision: str = "fp32", reduce_scores: ref.ScoreReduce | None = None,
+                 ) -> None:  # fmt: skip
         self.precision = precision
+        self.reduce_scores = reduce_scores
 
     def dense(self, req, q, positions, scale):
         """vLLM's own FlashAttention over the paged cache where it runs (fp16/bf16 on CUDA,
@@ -132,7 +139,8 @@ class TritonOps:
 
         return run_stages_paged(params, q, req.kv_cache, req.block_table_row, positions, scale,
                                 seq_len=req.seq_len, precision=self.precision,
-                                k_scale=req.k_scale, v_scale=req.v_scale)  # fmt: skip
+                                k_scale=req.k_scale, v_scale=req.v_scale,
+                                reduce_scores=self.reduce_scores)  # fmt: skip
 
     def attend(self, params, req, q, positions, scale, prune, slice_end):
         """As the reference; the pair count is the budget (sink, window, selected blocks), an
@@ -168,7 +176,7 @@ class TritonOps:
 
         triton_decode.refresh_masks(params, masks, q, kv_cache, rows, scale, scratch.scores,
                                     scratch.placement, bank=scratch.bank, k_scale=k_scale,
-                                    v_scale=v_scale)  # fmt: skip
+                                    v_scale=v_scale, reduce_scores=self.reduce_scores)  # fmt: skip
 
     def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch, *,
                       k_scale=None, v_scale=None):  # fmt: skip
@@ -299,5 +307,11 @@ def flash_attention_works(device: torch.device, kv_fp8: bool = False) -> bool:
     return _FLASH_PROBLEM[key] is None
 
 
-def ops_for(device: torch.device, precision: str = "fp32") -> AttentionOps:
-    return TritonOps(precision) if device.type == "cuda" else ReferenceOps()
+def ops_for(device: torch.device, precision: str = "fp32",
+            reduce_scores: ref.ScoreReduce | None = None) -> AttentionOps:  # fmt: skip
+    """The device's ops. ``reduce_scores`` combines each pruning stage's head-reduced scores
+    across processes before its top-k (:func:`reference.run_stages`); ``None``: this process's
+    heads alone."""
+    if device.type == "cuda":
+        return TritonOps(precision, reduce_scores)
+    return ReferenceOps(reduce_scores)

@@ -19,6 +19,7 @@ The functions are small and composable so that each step can be tested alone:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,8 @@ from vllm_infinitehip.kernels.rope import (
 )
 
 NEG_INF = float("-inf")
+# combines a stage's scores [blocks or rows, chunks] across processes (same shape back)
+ScoreReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -402,11 +405,15 @@ def run_stages(
     scale: float,
     start_stage: int = 0,
     start_input: Candidates | None = None,
+    reduce_scores: ScoreReduce | None = None,
 ) -> PruneResult:
     """The N-stage hierarchical pruning for every query block of one request (§1.1, §1.5).
 
     ``q`` is ``[Nq, H_q, D]`` (unscaled), positions ascending. With ``start_stage > 0`` the
     cascade resumes from ``start_input``, the cached input of that stage (decode refresh, §1.6).
+    ``reduce_scores`` combines every stage's head-reduced scores across processes before its
+    top-k (``tp_mask: "global"``: the max over all tensor-parallel ranks' heads); it runs once
+    per stage whatever the branch, so that every rank makes the same collective calls.
     """
     seq_len = k.shape[0]
     bq = params.block_size_q
@@ -442,6 +449,8 @@ def run_stages(
         else:
             qp = pool_queries(q, bq, st.query_stride) * scale
             scores = _stage_scores(params, qp, k, cand, st.chunk_size, key_limit, block_min_pos)
+        if reduce_scores is not None:
+            scores = reduce_scores(scores)
         kept_starts, kept_valid = keep_top_chunks(scores, cand, keep)
         if i == n_stages - 1:
             return PruneResult(kept_starts, kept_valid, stage_inputs)

@@ -469,6 +469,7 @@ def refresh_masks(
     *,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    reduce_scores: ref.ScoreReduce | None = None,
 ) -> None:
     """Rerun every stage at or after each row's refresh level, from its stored input (§1.6).
 
@@ -481,6 +482,8 @@ def refresh_masks(
     ``k_scale`` and ``v_scale`` (the layer's ``_k_scale`` / ``_v_scale``; read on the device),
     as there: keys are dequantized on load, and the masks equal those of
     :func:`decode.refresh_masks_reference` with the same scales.
+    ``reduce_scores``: as in :func:`reference.run_stages` (the stage's scores of all rows,
+    combined in place before its top-k; a collective that CUDA graphs can capture).
     """
     batch, hq, d = q.shape
     if batch == 0:
@@ -523,4 +526,6 @@ def refresh_masks(
             LO_BITS=LO_BITS, BLOCK_CHUNK=block_chunk, BLOCK_D=block_d, HAS_BANK=bank is not None,
             KV_FP8=kv_fp8, num_warps=4, **rope_meta,
         )  # fmt: skip
+        if reduce_scores is not None:  # tp_mask "global": every rank's heads, before the top-k
+            scores[i][:batch].copy_(reduce_scores(scores[i][:batch]))
         top_chunks(scores[i], rows, masks, params, i)

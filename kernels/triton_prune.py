@@ -516,6 +516,7 @@ def run_stages_paged(
     precision: str = "fp32",
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    reduce_scores: ref.ScoreReduce | None = None,
 ) -> ref.PruneResult:
     """The pruning cascade of :func:`reference.run_stages`, scored by the Triton kernel.
 
@@ -544,6 +545,7 @@ def run_stages_paged(
 
     ``k_scale`` / ``v_scale``: an fp8 cache's dequantization (:func:`select_rep_scores_paged`);
     the result then equals :func:`reference.run_stages` on the dequantized keys.
+    ``reduce_scores``: as in :func:`reference.run_stages`.
     """
     nq = q.shape[0]
     bq = params.block_size_q
@@ -611,6 +613,8 @@ def run_stages_paged(
             k_scale=k_scale,
             v_scale=v_scale,
         )
+        if reduce_scores is not None:
+            scores = reduce_scores(scores)
         kept_starts, kept_valid = ref.keep_top_chunks(scores, cand, keep)
         if i == n_stages - 1:
             return ref.PruneResult(kept_starts, kept_valid, stage_inputs)

@@ -109,6 +109,13 @@ def test_prefill_dense_threshold_rule():
         InfiniteHiPConfig.from_user({"scoring_precision": "fp16"})
 
 
+def test_tp_mask_is_per_rank_by_default_and_global_on_request():
+    assert InfiniteHiPConfig.from_user({}).tp_mask == "per-rank"
+    assert InfiniteHiPConfig.from_user({"tp_mask": "global"}).tp_mask == "global"
+    with pytest.raises(ValueError, match=r"infinitehip\.tp_mask.*per-rank, global"):
+        InfiniteHiPConfig.from_user({"tp_mask": "all"})
+
+
 def test_offload_is_off_by_default_and_parses_short_and_long_forms():
     from vllm_infinitehip.config import OffloadConfig
 

@@ -13,7 +13,6 @@ import gc
 import pytest
 
 from tests.conftest import ENGINE_KW, SMALL_HIP
-from vllm_infinitehip.metrics import collect_stats
 
 pytestmark = pytest.mark.vllm
 
@@ -38,7 +37,7 @@ def greedy(llm, prompts, max_tokens):
 
 
 def tier_stats(llm, reset=True):
-    return llm.collective_rpc(collect_stats, kwargs={"reset": reset})[0]
+    return llm.collective_rpc("infinitehip_stats", kwargs={"reset": reset})[0]
 
 
 def bank_pages_checked(worker) -> tuple[int, int]:

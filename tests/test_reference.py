@@ -122,6 +122,50 @@ def test_resuming_from_cached_stage_input_reproduces_the_mask():
         assert torch.equal(again.block_valid, full.block_valid)
 
 
+def _two_rank_masks(p, q, k, pos, reduce: bool):
+    """run_stages as two tensor-parallel ranks run it (each its half of the q and kv heads),
+    in two threads; with ``reduce``, each stage's scores are max-combined as tp_mask "global"
+    combines them, through a barrier-synchronised exchange (one per stage, as a collective)."""
+    import threading
+
+    halves = [(q[:, : q.shape[1] // 2], k[:, : k.shape[1] // 2]),
+              (q[:, q.shape[1] // 2 :], k[:, k.shape[1] // 2 :])]  # fmt: skip
+    barrier, shared, calls, out = threading.Barrier(2), [None, None], [0, 0], [None, None]
+
+    def rank(r):
+        def max_over_ranks(scores):
+            calls[r] += 1
+            shared[r] = scores
+            barrier.wait()
+            combined = torch.maximum(shared[0], shared[1])
+            barrier.wait()
+            return combined
+
+        out[r] = ref.run_stages(p, *halves[r][:1], halves[r][1], pos, 0.2,
+                                reduce_scores=max_over_ranks if reduce else None)  # fmt: skip
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    return out, calls
+
+
+def test_global_tp_mask_equals_one_rank_and_per_rank_masks_differ():
+    t = 3000
+    q, k, _ = rand_qkv(t, 64, 8, 4, 32, seed=11)
+    pos = torch.arange(t - 64, t)
+    p = params(sink=16, window=64, chunks=(64, 16, 4), keeps=(512, 128, 64), bq=16)
+    one = ref.run_stages(p, q, k, pos, 0.2)
+    (a, b), calls = _two_rank_masks(p, q, k, pos, reduce=True)
+    assert calls == [3, 3]  # once per stage on every rank
+    for rank in (a, b):
+        assert torch.equal(rank.block_starts, one.block_starts)
+        assert torch.equal(rank.block_valid, one.block_valid)
+    (a, b), calls = _two_rank_masks(p, q, k, pos, reduce=False)
+    assert calls == [0, 0]
+    assert not torch.equal(a.block_starts, b.block_starts)  # each rank picks for its heads
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_paged_write_and_gather_roundtrip(block_size):
     g = torch.Generator().manual_seed(0)

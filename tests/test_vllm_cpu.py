@@ -8,7 +8,6 @@ import pytest
 
 from tests.conftest import ENGINE_KW, SMALL_HIP
 from tests.helpers.generate import generate_in_subprocess, staggered_generate
-from vllm_infinitehip.metrics import collect_stats
 
 pytestmark = pytest.mark.vllm
 
@@ -21,7 +20,7 @@ SHORT_PROMPTS = [
 
 
 def stats(llm, reset=True):
-    return llm.collective_rpc(collect_stats, kwargs={"reset": reset})[0]
+    return llm.collective_rpc("infinitehip_stats", kwargs={"reset": reset})[0]
 
 
 def greedy(llm, prompts, max_tokens):
@@ -74,13 +73,12 @@ def test_long_prompts_run_the_sparse_path(hip_llm):
 
 
 def test_recall_is_logged_per_layer_for_the_final_prompt_query_and_each_decode_step(hip_llm):
-    from vllm_infinitehip.metrics import collect_recall
 
     prompt = long_prompt(1500, "gamma")
     n = len(hip_llm.get_tokenizer().encode(prompt))
-    hip_llm.collective_rpc(collect_recall)  # on
+    hip_llm.collective_rpc("infinitehip_recall")  # on
     greedy(hip_llm, [prompt], 6)
-    records = hip_llm.collective_rpc(collect_recall, kwargs={"enable": False})[0]
+    records = hip_llm.collective_rpc("infinitehip_recall", kwargs={"enable": False})[0]
     final = [r for r in records if r["query"] == "final-prompt" and r["seq_len"] == n]
     decode = [r for r in records if r["query"] == "decode"]
     assert sorted(r["layer"] for r in final) == [0, 1]
@@ -92,7 +90,7 @@ def test_recall_is_logged_per_layer_for_the_final_prompt_query_and_each_decode_s
     assert min(r["recall"] for r in records) < 0.999
     # off again: nothing more is logged
     greedy(hip_llm, [prompt], 2)
-    assert hip_llm.collective_rpc(collect_recall, kwargs={"enable": False})[0] == []
+    assert hip_llm.collective_rpc("infinitehip_recall", kwargs={"enable": False})[0] == []
 
 
 def test_a_batch_of_four_long_prompts_equals_each_prompt_alone(hip_llm):

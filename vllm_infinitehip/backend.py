@@ -463,6 +463,21 @@ class InfiniteHiPBackend(AttentionBackend):
         return False
 
 
+def _score_reduce(config: InfiniteHiPConfig) -> ref.ScoreReduce | None:
+    """``tp_mask: "global"``: the max of each stage's scores over the TP group, through vLLM's
+    own group collective (gloo on the CPU; on CUDA the communicator graphs capture)."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    if config.tp_mask != "global" or group.world_size == 1:
+        return None
+
+    def max_over_ranks(scores: torch.Tensor) -> torch.Tensor:
+        return group.all_gather(scores.unsqueeze(0), dim=0).amax(dim=0)
+
+    return max_over_ranks
+
+
 class InfiniteHiPImpl(AttentionImpl):
     def __init__(
         self,
@@ -554,7 +569,7 @@ class InfiniteHiPImpl(AttentionImpl):
     def _setup(self, layer: AttentionLayer, plan: StepPlan, device: torch.device) -> None:
         """This layer's parameters and ops, on its first forward (host work only)."""
         self._layer_name = layer.layer_name
-        self._ops = ops_for(device, self.config.scoring_precision)
+        self._ops = ops_for(device, self.config.scoring_precision, _score_reduce(self.config))
         layer_index = _layer_index(layer.layer_name)
         self._params = layer_prune_params(self.config, layer_index, self._rope_plan(layer_index))
         tail_window = self.config.tail_window(self.trained_context)

@@ -121,6 +121,7 @@ def validate_at_config_time() -> None:
 
             # Raises InfiniteHiPConfigError (a ValueError) naming the bad field.
             config = InfiniteHiPConfig.from_vllm_config(vllm_config)
+            add_worker_extension(vllm_config)
             if config.offload.enabled:
                 # before the platform's own hook, which turns worker_cls "auto" into its default
                 use_host_tier_worker(vllm_config)
@@ -128,6 +129,34 @@ def validate_at_config_time() -> None:
 
     setattr(check_and_update_config, _PATCHED_MARK, True)
     platform_cls.check_and_update_config = classmethod(check_and_update_config)  # type: ignore
+
+
+WORKER_EXTENSION = "vllm_infinitehip.metrics.InfiniteHiPWorkerExtension"
+
+
+def add_worker_extension(vllm_config: Any) -> None:
+    """Give every worker the plugin's named methods (``collective_rpc("infinitehip_stats")``).
+
+    vLLM takes one extension class. A user's own stays; if it does not subclass ours, the
+    methods are missing, which is said here once rather than at the first RPC.
+    """
+    parallel = vllm_config.parallel_config
+    current = parallel.worker_extension_cls
+    if not current:
+        parallel.worker_extension_cls = WORKER_EXTENSION
+        return
+    if current == WORKER_EXTENSION:
+        return
+    from vllm.logger import init_logger
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from vllm_infinitehip.metrics import InfiniteHiPWorkerExtension
+
+    if not issubclass(resolve_obj_by_qualname(current), InfiniteHiPWorkerExtension):
+        init_logger(f"vllm.{__name__}").warning(
+            "worker_extension_cls=%s does not subclass %s: collective_rpc(\"infinitehip_stats\") "
+            "will not find its method (subclass it to keep both)", current, WORKER_EXTENSION,
+        )  # fmt: skip
 
 
 HOST_TIER_WORKERS = {

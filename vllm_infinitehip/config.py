@@ -61,6 +61,7 @@ PROBE_RULES = ("midpoint", "first")
 ROPE_PRUNING_STYLES = ("paper", "relative", "chunk-indexed", "none")
 ROPE_BSA_STYLES = ("streaming", "none")
 SCORING_PRECISIONS = ("tf32", "fp32")
+TP_MASK_MODES = ("per-rank", "global")
 # H200, 2026-11-30 (README kernel table): one 32K-query prefill chunk of a Llama-3-8B layer took
 # 105 ms sparse and 105 ms with vLLM's FA3 at 128K context, 64 vs 14 ms at 32K.
 DENSE_PREFILL_CROSSOVER = 131072
@@ -125,6 +126,11 @@ class InfiniteHiPConfig:
       always exact fp32 (one query per row).
     - ``block_size_k``: granularity of selected blocks in block-sparse attention (= last chunk).
     - ``offload``: the host KV tier, :class:`OffloadConfig` (off by default).
+    - ``tp_mask``: under tensor parallelism each rank holds ``H_kv / TP`` heads, and the stages'
+      head-max runs over those. ``"per-rank"`` (default, as the authors do): each rank selects
+      for its own heads, so masks differ from TP = 1 and no collective runs. ``"global"``: each
+      stage's scores are max-reduced over the TP group before its top-k (one all-gather of a
+      ``[rows, chunks]`` float32 tensor per stage and layer), so masks equal TP = 1.
     """
 
     preset: str = "3k"
@@ -145,6 +151,7 @@ class InfiniteHiPConfig:
     scoring_precision: str = "tf32"
     prefill_dense_threshold: int | str | None = "auto"
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    tp_mask: str = "per-rank"
 
     @property
     def final_keep_tokens(self) -> int:
@@ -222,7 +229,7 @@ class InfiniteHiPConfig:
             f"rope_extension={self.rope_extension} trained_context={self.trained_context} "
             f"scoring_precision={self.scoring_precision} "
             f"prefill_dense_threshold={self.prefill_dense_threshold} "
-            f"offload={self.offload}"
+            f"offload={self.offload} tp_mask={self.tp_mask}"
         )
 
     # ---------------------------------------------------------------- parsing
@@ -282,6 +289,7 @@ class InfiniteHiPConfig:
             ("rope_pruning", ROPE_PRUNING_STYLES),
             ("rope_bsa", ROPE_BSA_STYLES),
             ("scoring_precision", SCORING_PRECISIONS),
+            ("tp_mask", TP_MASK_MODES),
         ):
             if name in values:
                 if values[name] not in allowed:

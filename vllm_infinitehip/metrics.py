@@ -134,3 +134,22 @@ def tier_ratios(tier: dict[str, int]) -> dict[str, float]:
         "hit_ratio_promote": ratio(tier["promote_hits"], tier["promote_misses"]),
         "host_bytes_per_step": tier["host_read_bytes"] / steps if steps else 0.0,
     }
+
+
+class InfiniteHiPWorkerExtension:
+    """Named worker methods, mixed into every vLLM worker (``parallel_config.
+    worker_extension_cls``, set by the plugin), so that any engine reaches them by name:
+    ``llm.collective_rpc("infinitehip_stats")``, the engine core's ``collective_rpc`` under
+    ``vllm serve``, TP/PP workers and Ray Serve. Passing the functions themselves
+    (``collective_rpc(collect_stats)``) works only in-process: other processes cannot unpickle
+    a function sent by value.
+
+    A deployment with a worker extension of its own keeps these methods by subclassing this."""
+
+    def infinitehip_stats(self, reset: bool = False) -> dict[str, Any]:
+        """:func:`collect_stats` of this worker."""
+        return collect_stats(self, reset=reset)
+
+    def infinitehip_recall(self, enable: bool = True) -> list[dict[str, Any]]:
+        """:func:`collect_recall` of this worker."""
+        return collect_recall(self, enable=enable)

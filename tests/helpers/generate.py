@@ -92,10 +92,8 @@ if __name__ == "__main__":
         kw["attention_backend"] = backend  # "infinitehip" or any vLLM backend name
     checked = decode_forwards_raise_on_sync() if spec.get("sync_debug") else None
     llm = LLM(model, **kw)
-    if spec.get("report"):
-        from vllm_infinitehip.metrics import collect_stats
-
-        llm.collective_rpc(collect_stats, kwargs={"reset": True})  # not the warm-up run's counts
+    if spec.get("report"):  # not the warm-up run's counts
+        llm.collective_rpc("infinitehip_stats", kwargs={"reset": True})
     if spec.get("stagger"):
         tokens = staggered_generate(llm, spec["prompts"], spec["stagger"], spec["max_tokens"])
     else:
@@ -111,7 +109,8 @@ if __name__ == "__main__":
         "max_model_len": cfg.model_config.max_model_len,
         "max_position_embeddings": cfg.model_config.hf_text_config.max_position_embeddings,
         "trained_context": (cfg.additional_config or {}).get("infinitehip", {}).get("trained_context"),
-        "stats": llm.collective_rpc(collect_stats)[0],
+        "stats": (per_rank := llm.collective_rpc("infinitehip_stats"))[0],
+        "stats_per_rank": per_rank,
         "sync_checked_forwards": None if checked is None else len(checked),
     }
     json.dump({"tokens": tokens, "report": report}, open(path_out, "w"))
