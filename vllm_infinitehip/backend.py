@@ -466,10 +466,12 @@ class InfiniteHiPBackend(AttentionBackend):
 def _score_reduce(config: InfiniteHiPConfig) -> ref.ScoreReduce | None:
     """``tp_mask: "global"``: the max of each stage's scores over the TP group, through vLLM's
     own group collective (gloo on the CPU; on CUDA the communicator graphs capture)."""
+    if config.tp_mask != "global":
+        return None
     from vllm.distributed import get_tp_group
 
     group = get_tp_group()
-    if config.tp_mask != "global" or group.world_size == 1:
+    if group.world_size == 1:
         return None
 
     def max_over_ranks(scores: torch.Tensor) -> torch.Tensor:
