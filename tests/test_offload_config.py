@@ -17,6 +17,7 @@ from vllm_infinitehip.block_manager.host_store import HostKVStore, mapped_bytes
 
 from tests.conftest import ENGINE_KW, SMALL_HIP
 from vllm_infinitehip.config import InfiniteHiPConfigError, OffloadConfig
+from vllm_infinitehip.metrics import InfiniteHiPWorkerExtension
 from vllm_infinitehip.worker import BlockOwners, host_kv_allocation, size_host_tier
 
 GIB = 1 << 30
@@ -293,6 +294,24 @@ def test_offload_selects_the_host_tier_worker_and_only_then(tiny_model):
     assert cfg.parallel_config.worker_cls == (
         "vllm.v1.worker.cpu_worker.CPUWorker" if on_cpu else "vllm.v1.worker.gpu_worker.Worker"
     )
+
+
+class ExtensionWithOurs(InfiniteHiPWorkerExtension):
+    """A user's worker extension that keeps the named methods."""
+
+
+def test_the_named_worker_methods_are_set_and_a_users_extension_is_kept(tiny_model):
+    from vllm_infinitehip.compat import WORKER_EXTENSION
+
+    for hip in ({}, {"offload": {"host_gib": 1}}):
+        cfg = _engine_config(tiny_model, hip)
+        assert cfg.parallel_config.worker_extension_cls == WORKER_EXTENSION
+    theirs = f"{__name__}.ExtensionWithOurs"
+    cfg = _engine_config(tiny_model, {}, worker_extension_cls=theirs)
+    assert cfg.parallel_config.worker_extension_cls == theirs
+    # the tier's worker has the methods as a base: a second copy would conflict in the worker
+    with pytest.raises(ValueError, match=r"subclasses .*InfiniteHiPWorkerExtension.*drop"):
+        _engine_config(tiny_model, {"offload": {"host_gib": 1}}, worker_extension_cls=theirs)
 
 
 def test_offload_refuses_a_custom_worker_and_kv_connectors_before_any_engine(tiny_model):

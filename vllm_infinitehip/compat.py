@@ -121,7 +121,7 @@ def validate_at_config_time() -> None:
 
             # Raises InfiniteHiPConfigError (a ValueError) naming the bad field.
             config = InfiniteHiPConfig.from_vllm_config(vllm_config)
-            add_worker_extension(vllm_config)
+            add_worker_extension(vllm_config, host_tier=config.offload.enabled)
             if config.offload.enabled:
                 # before the platform's own hook, which turns worker_cls "auto" into its default
                 use_host_tier_worker(vllm_config)
@@ -134,11 +134,14 @@ def validate_at_config_time() -> None:
 WORKER_EXTENSION = "vllm_infinitehip.metrics.InfiniteHiPWorkerExtension"
 
 
-def add_worker_extension(vllm_config: Any) -> None:
+def add_worker_extension(vllm_config: Any, host_tier: bool) -> None:
     """Give every worker the plugin's named methods (``collective_rpc("infinitehip_stats")``).
 
-    vLLM takes one extension class. A user's own stays; if it does not subclass ours, the
-    methods are missing, which is said here once rather than at the first RPC.
+    vLLM takes one extension class. A user's own stays. Without the host tier, if it does not
+    subclass ours, the methods are missing, which is said here once rather than at the first
+    RPC. The host tier's workers have the methods as a base already, so there an extension
+    that subclasses ours would define them twice, which vLLM refuses inside the worker: it is
+    refused here instead.
     """
     parallel = vllm_config.parallel_config
     current = parallel.worker_extension_cls
@@ -150,9 +153,16 @@ def add_worker_extension(vllm_config: Any) -> None:
     from vllm.logger import init_logger
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
+    from vllm_infinitehip.config import InfiniteHiPConfigError
     from vllm_infinitehip.metrics import InfiniteHiPWorkerExtension
 
-    if not issubclass(resolve_obj_by_qualname(current), InfiniteHiPWorkerExtension):
+    theirs_has_ours = issubclass(resolve_obj_by_qualname(current), InfiniteHiPWorkerExtension)
+    if host_tier and theirs_has_ours:
+        raise InfiniteHiPConfigError(
+            f"worker_extension_cls={current!r} subclasses {WORKER_EXTENSION}, which the host "
+            f"tier's worker (`infinitehip.offload`) already has: drop that base class"
+        )
+    if not host_tier and not theirs_has_ours:
         init_logger(f"vllm.{__name__}").warning(
             "worker_extension_cls=%s does not subclass %s: collective_rpc(\"infinitehip_stats\") "
             "will not find its method (subclass it to keep both)", current, WORKER_EXTENSION,

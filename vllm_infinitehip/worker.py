@@ -36,6 +36,7 @@ from vllm.v1.worker.gpu_worker import Worker
 from vllm_infinitehip.block_manager.host_store import HostKVStore
 from vllm_infinitehip.block_manager.tier import HostTier, current, install
 from vllm_infinitehip.config import InfiniteHiPConfig, InfiniteHiPConfigError, OffloadConfig
+from vllm_infinitehip.metrics import InfiniteHiPWorkerExtension
 
 logger = init_logger(__name__)
 
@@ -283,7 +284,9 @@ class _HostTierWorker:
         install(None)
 
 
-class InfiniteHiPWorker(_HostTierWorker, Worker):
+# The named methods are a base of the tier's workers, not only injected by vLLM: in one process
+# an earlier engine's injection into Worker / CPUWorker would make vLLM see them as a conflict.
+class InfiniteHiPWorker(_HostTierWorker, Worker, InfiniteHiPWorkerExtension):
     """vLLM's GPU worker with the host tier; its KV buffers are pinned host memory."""
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
@@ -298,7 +301,7 @@ def _make_cpu_worker() -> type:
     from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    class InfiniteHiPCPUWorker(_HostTierWorker, CPUWorker):
+    class InfiniteHiPCPUWorker(_HostTierWorker, CPUWorker, InfiniteHiPWorkerExtension):
         """vLLM's CPU worker with the host tier (its KV is host memory already)."""
 
         def _available_host_bytes(self) -> int:
