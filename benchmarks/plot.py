@@ -131,10 +131,70 @@ def plot_recall(result: dict, out: Path) -> None:
     fig.savefig(out, dpi=110, bbox_inches="tight")
 
 
+def plot_ruler(result: dict, out: Path) -> None:
+    """Heatmaps of RULER scores by context length (x) and task (y, with the mean of the tasks
+    last): a row per model, a column per backend (the default one, and infinitehip with default
+    settings, or the first compared)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in result["rows"]))
+    panels = []
+    for model in models:
+        mine = [r for r in result["rows"] if r["model"] == model]
+        hip = sorted({r["config"] for r in mine if r["config"]}, key=lambda c: (c != "{}", c))
+        rows = [r for r in mine if r["config"] in ("", *hip[:1])]
+        cells = Counter((r["backend"], r["ops"]) for r in rows)
+        shown = sorted(max((k for k in cells if k[0] == b), key=cells.get)
+                       for b in {b for b, _ in cells})
+        panels.append((model, [r for r in rows if (r["backend"], r["ops"]) in shown], shown))
+    ncols = max(len(backends) for _, _, backends in panels)
+    tasks_of = {t: i for i, t in enumerate(
+        ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+         "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1",
+         "qa_2"])}
+    height = 1.5 + 0.3 * (len({r["task"] for r in result["rows"]}) + 1)
+    width = 2.2 + 0.7 * len({r["context"] for r in result["rows"]})
+    fig, axes = plt.subplots(len(panels), ncols, figsize=(width * ncols + 1, height * len(panels)),
+                             squeeze=False, gridspec_kw={"hspace": 0.6, "wspace": 0.6})
+    for ax_row, (model, rows, backends) in zip(axes, panels):
+        lengths = sorted({r["context"] for r in rows})
+        tasks = sorted({r["task"] for r in rows}, key=lambda t: (tasks_of.get(t, 99), t))
+        for ax in ax_row[len(backends):]:
+            ax.axis("off")
+        for ax, (backend, ops) in zip(ax_row, backends):
+            mine = {(r["task"], r["context"]): r for r in rows
+                    if (r["backend"], r["ops"]) == (backend, ops)}
+            grid = [[mine[t, n]["score"] if (t, n) in mine else float("nan") for n in lengths]
+                    for t in tasks]
+            # the mean over the tasks measured at that length
+            grid.append([sum(v for v in col if v == v) / max(1, sum(v == v for v in col))
+                         if any(v == v for v in col) else float("nan") for col in zip(*grid)])
+            im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" for n in lengths])
+            ax.set_yticks(range(len(tasks) + 1), [*tasks, "average"], fontsize=8)
+            ax.axhline(len(tasks) - 0.5, color="black", linewidth=1)
+            for i, row in enumerate(grid):
+                for j, v in enumerate(row):
+                    ax.text(j, i, "-" if v != v else f"{v:.0f}", ha="center", va="center",
+                            fontsize=7)
+            ax.set(xlabel="context (RULER max_seq_length)")
+            label = f"{backend} ({ops} path)" if ops else backend
+            ax.set_title(f"{model} (trained {rows[0]['trained_context'] // 1024}K)\n{label}",
+                         fontsize=10)
+        fig.colorbar(im, ax=ax_row.tolist(), shrink=0.8, label="RULER score")
+    fig.suptitle(f"RULER, {result['gpu']}, {result['date']}", y=0.88 + 0.65 / fig.get_figheight())
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     path = Path(sys.argv[1])
     result = json.loads(path.read_text())
     out = path.with_suffix(".png")
-    plots = {"attention": plot_attention, "passkey": plot_passkey, "recall": plot_recall}
+    plots = {"attention": plot_attention, "passkey": plot_passkey, "recall": plot_recall,
+             "ruler": plot_ruler}
     plots[result["name"]](result, out)
     print(f"wrote {out}")

