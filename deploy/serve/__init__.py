@@ -1,0 +1,1 @@
+"""The Ray Serve LLM app: :func:`deploy.serve.app.build_app`."""
