@@ -11,7 +11,6 @@ One ``serve.run`` for the module: a deploy costs about 2-3 minutes on 2 cores.
 from __future__ import annotations
 
 import copy
-import json
 import secrets
 import time
 import urllib.error
@@ -22,6 +21,7 @@ import pytest
 
 from tests.conftest import SMALL_HIP
 from tests.test_server import free_port
+from tests.test_serving import request
 
 pytestmark = pytest.mark.vllm
 
@@ -64,23 +64,8 @@ def app_spec(tiny_model: str) -> tuple[str, dict]:
     return app["import_path"], args
 
 
-def http(url: str, body: dict | None = None, key: str | None = None,
-         timeout: float = 300) -> tuple[int, dict | str]:  # fmt: skip
-    headers = {"Content-Type": "application/json"}
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers=headers,
-                                 method="GET" if body is None else "POST")  # fmt: skip
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, raw = r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read().decode()
-    try:
-        return status, json.loads(raw)
-    except json.JSONDecodeError:
-        return status, raw
+def http(url: str, body: dict | None = None, key: str | None = None) -> tuple[int, dict | str]:
+    return request(url, body, timeout=300, key=key)
 
 
 @pytest.fixture(scope="module")

@@ -88,9 +88,14 @@ def tier_server(tiny_model, tmp_path_factory):
 
 
 # ------------------------------------------------------------------ HTTP helpers
-def request(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, dict | str]:
+def request(url: str, body: dict | None = None, timeout: float = 120,
+            key: str | None = None) -> tuple[int, dict | str]:  # fmt: skip
+    """GET (no body) or POST JSON; ``key``: sent as ``Authorization: Bearer``."""
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+    req = urllib.request.Request(url, data=data, headers=headers,
                                  method="GET" if body is None else "POST")  # fmt: skip
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
