@@ -16,8 +16,9 @@ pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 # Above dense_threshold (1024) with room for the stages to prune: the sparse path, prefill and
-# decode, in both layers.
-SPARSE_PROMPT = "alpha. " + " ".join(f"item{i % 97}" for i in range(1500)) + " The end is"
+# decode, in both layers. Its own first words: the session engine's prefix cache must not serve
+# another module's prompts from it (their prefill counts are exact).
+SPARSE_PROMPT = "ray-tp. " + " ".join(f"item{i % 97}" for i in range(1500)) + " The end is"
 DECODE_TOKENS = 16
 
 
