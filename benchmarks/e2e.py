@@ -216,13 +216,18 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def markdown_table(rows: list[dict], cols: list[str]) -> str:
+    """The rows' ``cols`` as a markdown table (missing or null: empty), in the given order."""
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in cols) + " |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     cols = ["context", "engine", "batch", "prefill_s", "ttft_s", "decode_tok_s",
             "decode_speedup_vs_flash_attn", "prefill_speedup_vs_flash_attn", "host_share"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in sorted(rows, key=lambda r: (r["context"], r["batch"], r["engine"])):
-        lines.append("| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in cols) + " |")
-    return "\n".join(lines)
+    return markdown_table(sorted(rows, key=lambda r: (r["context"], r["batch"], r["engine"])), cols)
 
 
 def drive_engines(script: str, name: str, args, key, finish, plot_rows, notes: str) -> list[dict]:

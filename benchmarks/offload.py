@@ -42,6 +42,7 @@ from e2e import (
     engine_spec,
     gpu_busy_share,
     kernel_table,
+    markdown_table,
     random_prompt,
     timed_generate,
 )
@@ -163,11 +164,8 @@ COLUMNS = ["context", "kv_dtype", "offload", "bank_gib", "host_kv_gib", "prefill
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in sorted(rows, key=lambda r: (r["context"], r["kv_dtype"], r["offload"])):
-        lines.append("| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in COLUMNS)
-                     + " |")  # fmt: skip
-    return "\n".join(lines)
+    return markdown_table(sorted(rows, key=lambda r: (r["context"], r["kv_dtype"], r["offload"])),
+                          COLUMNS)  # fmt: skip
 
 
 def main() -> None:

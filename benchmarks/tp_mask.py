@@ -27,6 +27,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+
+from e2e import markdown_table  # noqa: E402
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 # tests/conftest.py's small settings: a few-thousand-token prompt prunes for real
@@ -77,6 +81,8 @@ def run_worker(model: str, spec: dict) -> list[list[int]]:
 
 
 def cpu_binds_per_rank(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers: this process's cores split
+    evenly (vLLM's automatic binding wants a NUMA node per worker, and CI has one)."""
     cpus = sorted(os.sched_getaffinity(0))
     per = max(1, len(cpus) // ranks)
     return "|".join(",".join(map(str, cpus[r * per : (r + 1) * per] or cpus[-1:]))
@@ -157,12 +163,8 @@ def _gpu_name() -> str | None:
 
 
 def table(rows: list[dict]) -> str:
-    keys = ["backend", "tp_mask", "tp", "prompt_tokens", "decode_tokens", "token_agreement",
-            "first_divergence", "equal"]  # fmt: skip
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join("" if r[k] is None else str(r[k]) for k in keys) + " |"
-              for r in rows]  # fmt: skip
-    return "\n".join(lines)
+    return markdown_table(rows, ["backend", "tp_mask", "tp", "prompt_tokens", "decode_tokens",
+                                 "token_agreement", "first_divergence", "equal"])  # fmt: skip
 
 
 def plot(rows: list[dict], path: Path) -> None:
