@@ -4,13 +4,18 @@
 from __future__ import annotations
 
 import json
-import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ENGINE_KW, SMALL_HIP
 from tests.helpers.generate import generate_in_subprocess
+from tests.test_vllm_cpu import greedy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from tp_mask import cpu_binds_per_rank  # noqa: E402  (benchmarks/tp_mask.py)
 
 pytestmark = pytest.mark.vllm
 
@@ -66,7 +71,7 @@ class EngineActor:
 
 
 def test_engine_in_a_ray_actor_runs_infinitehip_and_reports_stats(local_ray, tiny_model,
-                                                                  hip_llm):  # fmt: skip
+                                                                  hip_llm, tp1_tokens):  # fmt: skip
     actor_cls = local_ray.remote(num_cpus=1)(EngineActor)
     engine = actor_cls.remote(tiny_model, {**ENGINE_KW, "additional_config": {"infinitehip": SMALL_HIP}})
     try:
@@ -82,11 +87,7 @@ def test_engine_in_a_ray_actor_runs_infinitehip_and_reports_stats(local_ray, tin
     assert stats["layers"] == 2
     assert stats["sparse_prefill_queries"] == 2 * n_prompt
     assert stats["sparse_decode_queries"] == 2 * (DECODE_TOKENS - 1)
-    # the same engine settings in this process give the same tokens
-    from vllm import SamplingParams
-
-    want = hip_llm.generate([SPARSE_PROMPT], SamplingParams(temperature=0, max_tokens=DECODE_TOKENS))
-    assert tokens == [list(want[0].outputs[0].token_ids)]
+    assert tokens == [tp1_tokens]  # the same engine settings in this process
 
 
 def test_ray_executor_on_the_cpu_fails_at_startup_with_vllms_error(local_ray, tiny_model):
@@ -95,15 +96,6 @@ def test_ray_executor_on_the_cpu_fails_at_startup_with_vllms_error(local_ray, ti
     with pytest.raises(Exception, match="does not support ray"):
         LLM(tiny_model, attention_backend="infinitehip", distributed_executor_backend="ray",
             additional_config={"infinitehip": SMALL_HIP}, **ENGINE_KW)  # fmt: skip
-
-
-def cpu_binds_per_rank(ranks: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers: this process's cores split
-    evenly (vLLM's automatic binding wants a NUMA node per worker, and CI has one)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cpus) // ranks)
-    return "|".join(",".join(map(str, cpus[r * per : (r + 1) * per] or cpus[-1:]))
-                    for r in range(ranks))  # fmt: skip
 
 
 def _tp2(tiny_model, tmp_path, tp_mask: str, monkeypatch) -> dict:
@@ -118,10 +110,8 @@ def _tp2(tiny_model, tmp_path, tp_mask: str, monkeypatch) -> dict:
 
 @pytest.fixture(scope="module")
 def tp1_tokens(hip_llm):
-    from vllm import SamplingParams
-
-    outs = hip_llm.generate([SPARSE_PROMPT], SamplingParams(temperature=0, max_tokens=DECODE_TOKENS))
-    return list(outs[0].outputs[0].token_ids)
+    (tokens,) = greedy(hip_llm, [SPARSE_PROMPT], DECODE_TOKENS)
+    return tokens
 
 
 def _check_tp2_ran_sparse(out: dict, n_prompt: int) -> None:
