@@ -67,7 +67,7 @@ def engine_kwargs(device: str, backend: str, tp: int, tp_mask: str, max_len: int
     return kw
 
 
-def run_worker(model: str, spec: dict) -> list[list[int]]:
+def run_worker(model: str, spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model, **spec["engine"])
