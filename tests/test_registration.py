@@ -66,3 +66,17 @@ def test_cpu_platform_routes_only_an_explicit_choice():
     sel = AttentionSelectorConfig(head_size=64, dtype=torch.float32, kv_cache_dtype=None, block_size=16)
     assert CpuPlatform.get_attn_backend_cls(AttentionBackendEnum["INFINITEHIP"], sel) == compat.BACKEND_CLASS_PATH
     assert CpuPlatform.get_attn_backend_cls(None, sel) == AttentionBackendEnum.CPU_ATTN.get_path()
+
+
+def test_infinitehip_picks_its_scheduler_unless_one_is_named(tiny_model):
+    from vllm.engine.arg_utils import EngineArgs
+
+    vllm_infinitehip.register()
+    kw = dict(model=tiny_model, attention_backend="infinitehip", max_model_len=2048)
+    cfg = EngineArgs(**kw).create_engine_config().scheduler_config
+    assert cfg.scheduler_cls == compat.SCHEDULERS[bool(cfg.async_scheduling)]
+    named = "vllm.v1.core.sched.scheduler.Scheduler"
+    assert EngineArgs(**kw, scheduler_cls=named).create_engine_config().scheduler_config \
+        .scheduler_cls == named
+    assert EngineArgs(model=tiny_model, max_model_len=2048).create_engine_config() \
+        .scheduler_config.scheduler_cls is None  # another backend: vLLM's choice

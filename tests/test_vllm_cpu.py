@@ -210,3 +210,27 @@ def test_bad_config_raises_naming_the_field(tiny_model):
     with pytest.raises(ValueError, match=r"unknown field `infinitehip\.windw_tokens`"):
         LLM(tiny_model, attention_backend="infinitehip",
             additional_config={"infinitehip": {"windw_tokens": 5}}, **ENGINE_KW)
+
+
+def test_the_scheduler_skips_the_common_prefix_walk(hip_llm):
+    """vLLM walks a running request's block list every step for cascade attention, which
+    infinitehip never runs; the plugin's scheduler answers zero instead. Mid-generation the
+    lone request shares each full block with itself, so vLLM's own walk counts them."""
+    from vllm import SamplingParams
+
+    from vllm_infinitehip.scheduler import InfiniteHiPAsyncScheduler, InfiniteHiPScheduler
+
+    engine = hip_llm.llm_engine
+    sched = engine.engine_core.engine_core.scheduler
+    is_async = engine.vllm_config.scheduler_config.async_scheduling
+    assert type(sched) is (InfiniteHiPAsyncScheduler if is_async else InfiniteHiPScheduler)
+    engine.add_request("walk", long_prompt(1500, "walk"),
+                       SamplingParams(temperature=0, max_tokens=4))  # fmt: skip
+    engine.step()
+    manager = sched.kv_cache_manager
+    blocks = manager.coordinator.single_type_managers[0].req_to_blocks
+    (running,) = blocks
+    assert manager.coordinator.get_num_common_prefix_blocks(running)[0] == len(blocks[running]) > 0
+    assert manager.get_num_common_prefix_blocks(running) == [0]
+    while engine.has_unfinished_requests():
+        engine.step()

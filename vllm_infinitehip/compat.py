@@ -9,7 +9,8 @@
    routes an explicit ``infinitehip`` choice to our backend and leaves every other choice alone.
 3. There is no config hook for plugins, so :func:`validate_at_config_time` wraps the platform's
    ``check_and_update_config`` (run while ``VllmConfig`` is built, in the user's process) to
-   validate ``additional_config["infinitehip"]`` where the user gave it, and, with
+   validate ``additional_config["infinitehip"]`` where the user gave it; to pick a scheduler
+   without the per-step common-prefix walk (:func:`use_scheduler`); and, with
    ``infinitehip.offload`` on, to set ``parallel_config.worker_cls`` to the host tier's worker
    (:func:`use_host_tier_worker`).
 4. vLLM refuses ``--max-model-len`` above the trained length and sizes its rotary cache to it;
@@ -116,7 +117,8 @@ def validate_at_config_time() -> None:
     original_func = original.__func__
 
     def check_and_update_config(cls, vllm_config):
-        if uses_infinitehip(vllm_config):
+        ours = uses_infinitehip(vllm_config)
+        if ours:
             from vllm_infinitehip.config import InfiniteHiPConfig
 
             # Raises InfiniteHiPConfigError (a ValueError) naming the bad field.
@@ -125,10 +127,27 @@ def validate_at_config_time() -> None:
             if config.offload.enabled:
                 # before the platform's own hook, which turns worker_cls "auto" into its default
                 use_host_tier_worker(vllm_config)
-        return original_func(cls, vllm_config)
+        original_func(cls, vllm_config)
+        if ours:  # after the platform's hook, which may turn async scheduling off
+            use_scheduler(vllm_config)
 
     setattr(check_and_update_config, _PATCHED_MARK, True)
     platform_cls.check_and_update_config = classmethod(check_and_update_config)  # type: ignore
+
+
+SCHEDULERS = {
+    False: "vllm_infinitehip.scheduler.InfiniteHiPScheduler",
+    True: "vllm_infinitehip.scheduler.InfiniteHiPAsyncScheduler",
+}
+
+
+def use_scheduler(vllm_config: Any) -> None:
+    """vLLM's scheduler minus its per-step walk over a request's blocks for cascade attention,
+    which infinitehip never runs (:mod:`vllm_infinitehip.scheduler`). A scheduler class the
+    user named stays; it keeps the walk."""
+    sched = vllm_config.scheduler_config
+    if sched.scheduler_cls is None:
+        sched.scheduler_cls = SCHEDULERS[bool(sched.async_scheduling)]
 
 
 WORKER_EXTENSION = "vllm_infinitehip.metrics.InfiniteHiPWorkerExtension"
