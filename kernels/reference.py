@@ -272,6 +272,10 @@ def key_score_table(
     return table
 
 
+# Bytes of gathered probe keys one pass of :func:`select_rep_scores` holds at a time.
+SELECT_REP_GROUP_BYTES = 1 << 20
+
+
 def select_rep_scores(
     q_pooled: torch.Tensor,
     k: torch.Tensor,
@@ -296,16 +300,51 @@ def select_rep_scores(
     descends into the half whose probe scores higher (max over the block's queries). The chunk
     score is the best probe score seen, max-reduced over heads, so all heads of a layer share the
     ranking. Invalid or empty chunks score ``-inf``. Returns ``[n_blocks, C]`` float32.
+
+    Query blocks are independent, so they are scored a group at a time, with the gathered
+    probe keys of a group near ``SELECT_REP_GROUP_BYTES``: intermediates that size are reused
+    by the allocator and stay in cache, where whole-request ones are fresh pages every bisection
+    step (on 2 CPU cores that cost more than the arithmetic).
     """
-    nb, hq = q_pooled.shape[:2]
+    nb, hq, _, d = q_pooled.shape
     c = cand.starts.shape[1]
     if c == 0:
         return q_pooled.new_empty(nb, 0)
     num_keys = int(key_limit.max())
+    # Score just the probed keys when keys turn per chunk or when probes are few next to the
+    # keys, else look them up in a whole-context table. Decided once per call, so that every
+    # group computes its products the same way (the two ways round differently).
+    use_table = chunk_rotation is None and 4 * bisect_steps(chunk_size) * c >= num_keys
+    group = max(1, SELECT_REP_GROUP_BYTES // (hq * c * d * 4))
+    parts = []
+    for lo in range(0, nb, group):
+        sl = slice(lo, min(nb, lo + group))
+        parts.append(_select_rep_group(
+            q_pooled[sl], k, Candidates(cand.starts[sl], cand.valid[sl]), chunk_size,
+            key_limit[sl], probe, None if q_pooled_right is None else q_pooled_right[sl],
+            None if chunk_rotation is None else (chunk_rotation[0][sl], chunk_rotation[1]),
+            num_keys, use_table,
+        ))  # fmt: skip
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _select_rep_group(
+    q_pooled: torch.Tensor,
+    k: torch.Tensor,
+    cand: Candidates,
+    chunk_size: int,
+    key_limit: torch.Tensor,
+    probe: str,
+    q_pooled_right: torch.Tensor | None,
+    chunk_rotation: tuple[torch.Tensor, RopeTable] | None,
+    num_keys: int,
+    use_table: bool,
+) -> torch.Tensor:
+    """:func:`select_rep_scores` for one group of query blocks (``num_keys``: the call's)."""
+    nb, hq = q_pooled.shape[:2]
+    c = cand.starts.shape[1]
     n_steps = bisect_steps(chunk_size)
-    if chunk_rotation is not None or 4 * n_steps * c < num_keys:
-        # Score just the probed keys: needed when keys turn per chunk, and cheaper than a
-        # whole-context table when there are few probes (same numbers either way).
+    if not use_table:
         hkv = k.shape[1]
         head_kv = (torch.arange(hq, device=k.device) // (hq // hkv)).view(1, hq, 1)
         # one flat row per (token, kv head): index_select is the fastest gather on every device
