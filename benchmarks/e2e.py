@@ -46,17 +46,24 @@ TRAINED_FOR_EXTENSION = 8192  # "the model declared as trained on 8K"
 
 
 def engine_spec(name: str, max_len: int) -> dict:
-    """``flash_attn``, or an infinitehip preset with ``+ext`` for context extension on."""
+    """``flash_attn``, or an infinitehip preset with modifiers: ``+ext`` for context extension
+    on, ``+vllm-scheduler`` for vLLM's own scheduler (with its per-step common-prefix walk,
+    which infinitehip's scheduler skips: the A/B of that change)."""
     kw = dict(load_format="dummy", dtype="bfloat16", max_model_len=max_len,
               max_num_batched_tokens=32768, enable_prefix_caching=True,
               gpu_memory_utilization=0.94, disable_log_stats=False, seed=0,
               hf_overrides={"max_position_embeddings": max_len})  # fmt: skip
     if name == "flash_attn":
         return {**kw, "attention_backend": "FLASH_ATTN"}
-    preset, _, ext = name.partition("+")
-    hip = {"preset": preset, "rope_extension": ext == "ext"}
-    if ext == "ext":
+    preset, *mods = name.split("+")
+    unknown = set(mods) - {"ext", "vllm-scheduler"}
+    if unknown:
+        raise SystemExit(f"unknown engine modifier(s) {sorted(unknown)} in {name!r}")
+    hip = {"preset": preset, "rope_extension": "ext" in mods}
+    if "ext" in mods:
         hip["trained_context"] = TRAINED_FOR_EXTENSION
+    if "vllm-scheduler" in mods:  # async scheduling is on for these engines
+        kw["scheduler_cls"] = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
     return {**kw, "attention_backend": "infinitehip", "additional_config": {"infinitehip": hip}}
 
 
@@ -98,13 +105,17 @@ def kernel_table(prof, steps: int, top: int = 16) -> dict[str, float]:
 
 def timed_generate(llm):
     """``call(prompts, max_tokens) -> (seconds, outputs)``: greedy, ``ignore_eos``, token-id
-    prompts; its first use (a warm-up prompt past the dense threshold, where Triton compiles
+    prompts, token ids only; its first use (a warm-up prompt past the dense threshold, where Triton compiles
     the kernels) is made here and not timed."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     def call(prompts, max_tokens):
-        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        # no detokenizing: tokenizers' DecodeStream, primed with the whole prompt, re-decodes
+        # all of it while the output is not valid UTF-8 (0.2-0.5 s at 512K), which the dummy
+        # weights' random tokens keep it, and in-process that is on the step's critical path
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            detokenize=False)  # fmt: skip
         t = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
                             use_tqdm=False)  # fmt: skip
@@ -124,14 +135,28 @@ def cold_prefill(call, prompt) -> tuple[float, float]:
     return prefill, ttft
 
 
-def decode_seconds(call, prompts) -> float:
-    """Seconds of DECODE_TOKENS decode steps: a (DECODE_TOKENS + 1)-token call less a 1-token
-    call on the same prompts (prefix-cache hits), the median of three of each."""
+def decode_seconds(call, prompts) -> tuple[float, float]:
+    """Seconds of DECODE_TOKENS decode steps, measured two ways, each the median of three:
+
+    - a (DECODE_TOKENS + 1)-token call less a 1-token call on the same prompts (prefix-cache
+      hits), wall time;
+    - the engine core's own timestamps of the long call, ``last_token_ts - first_token_ts``
+      of its slowest request (the inter-token time, which no per-request fixed cost enters).
+
+    Every request must have returned all its tokens (``ignore_eos``), or the row is invalid."""
     import statistics
 
+    def engine_s(outs) -> float:
+        for o in outs:
+            if len(o.outputs[0].token_ids) != DECODE_TOKENS + 1:
+                raise RuntimeError(f"{len(o.outputs[0].token_ids)} tokens back, "
+                                   f"{DECODE_TOKENS + 1} asked")  # fmt: skip
+        return max(o.metrics.last_token_ts - o.metrics.first_token_ts for o in outs)
+
     one = statistics.median(call(prompts, 1)[0] for _ in range(3))
-    many = statistics.median(call(prompts, DECODE_TOKENS + 1)[0] for _ in range(3))
-    return many - one
+    longs = [call(prompts, DECODE_TOKENS + 1) for _ in range(3)]
+    many = statistics.median(t for t, _ in longs)
+    return many - one, statistics.median(engine_s(outs) for _, outs in longs)
 
 
 def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], max_len: int,
@@ -147,14 +172,15 @@ def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], ma
     rows = []
     backend = "flash_attn" if name == "flash_attn" else "infinitehip"
     preset = None if name == "flash_attn" else name.partition("+")[0]
-    ext = name.endswith("+ext")
+    ext = "ext" in name.split("+")[1:]
     for ctx in contexts:
         if time.perf_counter() - t_start > budget_s:
             print(f"[e2e] {name}: time budget spent before {ctx}", flush=True)
             break
         prompt = random_prompt(ctx - 1, ctx)
         prefill, ttft = cold_prefill(call, prompt)
-        decode = DECODE_TOKENS / decode_seconds(call, [prompt])
+        wall_s, engine_s = decode_seconds(call, [prompt])
+        decode, decode_engine = DECODE_TOKENS / wall_s, DECODE_TOKENS / engine_s
         # GPU busy time from a profiled call, wall time from the same call unprofiled (the
         # profiler slows the host, not the kernels)
         t33, _ = call([prompt], 33)
@@ -167,6 +193,7 @@ def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], ma
                     engine=name, init_s=round(init_s, 1))  # fmt: skip
         rows.append({**base, "batch": 1, "prefill_s": round(prefill, 3),
                      "ttft_s": round(ttft, 3), "decode_tok_s": round(decode, 1),
+                     "decode_tok_s_engine_ts": round(decode_engine, 1),
                      "host_share": round(host_share, 3),
                      "kernel_us_per_step": kernels})  # fmt: skip
         print(f"[e2e] {rows[-1]}", flush=True)
@@ -174,7 +201,7 @@ def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], ma
             prompts = [prompt[:-64] + random_prompt(64, 10 * ctx + i) for i in range(8)]
             call(prompts, 1)  # their suffixes' prefill
             rows.append({**base, "batch": 8, "prefill_s": None, "ttft_s": None,
-                         "decode_tok_s": round(8 * DECODE_TOKENS / decode_seconds(call, prompts), 1),
+                         "decode_tok_s": round(8 * DECODE_TOKENS / decode_seconds(call, prompts)[0], 1),
                          "host_share": None})  # fmt: skip
             print(f"[e2e] {rows[-1]}", flush=True)
     return rows

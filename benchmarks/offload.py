@@ -90,7 +90,7 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
         _, outs = call([prompt], DECODE_TOKENS + 1)
         tokens = list(outs[0].outputs[0].token_ids)
         llm.collective_rpc("infinitehip_stats", kwargs={"reset": True})
-        decode = DECODE_TOKENS / decode_seconds(call, [prompt])
+        decode = DECODE_TOKENS / decode_seconds(call, [prompt])[0]
         stats = llm.collective_rpc("infinitehip_stats", kwargs={"reset": True})[0]
         tier = stats.get("tier", {})
         # where a step's time goes: GPU time by kernel (graphs included) and the idle share,
