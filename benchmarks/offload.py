@@ -6,7 +6,8 @@ engine:
 
 - ``prefill_s``: a cold prompt with ``max_tokens=1`` (vLLM's ``first_token_ts - scheduled_ts``);
 - ``decode_tok_s`` at batch 1: the same prompt again (a prefix-cache hit), ``(t(129 tokens) -
-  t(1 token)) / 128``, medians of three (``e2e.decode_seconds``);
+  t(1 token)) / 128``, medians of three (``e2e.decode_seconds``), and ``decode_tok_s_engine_ts``
+  from the engine's own token timestamps of the long call (the reliable one at long contexts);
 - the greedy tokens of one 129-token call, compared across engines of the same context
   (``greedy_equal_to_tier_off``);
 - with the tier on, its counters over the timed decode calls (the ``infinitehip_stats`` worker method):
@@ -90,7 +91,8 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
         _, outs = call([prompt], DECODE_TOKENS + 1)
         tokens = list(outs[0].outputs[0].token_ids)
         llm.collective_rpc("infinitehip_stats", kwargs={"reset": True})
-        decode = DECODE_TOKENS / decode_seconds(call, [prompt])[0]
+        wall_s, engine_s = decode_seconds(call, [prompt])
+        decode = DECODE_TOKENS / wall_s
         stats = llm.collective_rpc("infinitehip_stats", kwargs={"reset": True})[0]
         tier = stats.get("tier", {})
         # where a step's time goes: GPU time by kernel (graphs included) and the idle share,
@@ -106,6 +108,7 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
             "context": ctx, "kv_dtype": kv, "offload": bank is not None, "bank_gib": bank,
             "host_kv_gib": round(ctx * KV_BYTES_PER_TOKEN[kv] / 2**30, 1) if bank else 0.0,
             "engine": name, "init_s": round(init_s, 1), "decode_tok_s": round(decode, 1),
+            "decode_tok_s_engine_ts": round(DECODE_TOKENS / engine_s, 1),
             "prefill_s": round(prefill, 2),
             "hit_ratio_mask": None,
             "hit_ratio_promote": _round(tier.get("hit_ratio_promote")),
