@@ -246,6 +246,13 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def gpu_name() -> str | None:
+    """The machine's CUDA GPU, or None: the results files' ``gpu`` field."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
 def markdown_table(rows: list[dict], cols: list[str]) -> str:
     """The rows' ``cols`` as a markdown table (missing or null: empty), in the given order."""
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from e2e import markdown_table  # noqa: E402
+from e2e import gpu_name, markdown_table  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -111,24 +111,19 @@ def main() -> None:
                          "host_ms_per_step": round(ms, 3),
                          "speedup_vs_vllm": round(base[is_async] / ms, 2)})  # fmt: skip
             print(rows[-1], flush=True)
-    device = "gpu" if _gpu_name() else "cpu"
+    gpu = gpu_name()
+    device = "gpu" if gpu else "cpu"
     date = datetime.date.today().isoformat()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"scheduler-host-{device}-{date}.json"
     command = "python " + " ".join(sys.argv)
-    path.write_text(json.dumps({"name": "scheduler-host", "date": date, "gpu": _gpu_name(),
+    path.write_text(json.dumps({"name": "scheduler-host", "date": date, "gpu": gpu,
                                 "cpu": _cpu_name(), "command": command, "rows": rows}, indent=1))
     plot(rows, path.with_suffix(".png"))
     print(markdown_table(rows, ["context", "scheduler", "async_scheduling", "host_ms_per_step",
                                 "speedup_vs_vllm"]))  # fmt: skip
     print(f"wrote {path}")
-
-
-def _gpu_name() -> str | None:
-    import torch
-
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 def _cpu_name() -> str:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from e2e import markdown_table  # noqa: E402
+from e2e import gpu_name, markdown_table  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -150,16 +150,10 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     path = out_dir / f"tp-mask-{args.device}-{date}.json"
     command = "python benchmarks/tp_mask.py " + " ".join(sys.argv[1:])
-    path.write_text(json.dumps({"name": "tp-mask", "date": date, "gpu": _gpu_name(),
+    path.write_text(json.dumps({"name": "tp-mask", "date": date, "gpu": gpu_name(),
                                 "command": command.strip(), "rows": rows}, indent=1))  # fmt: skip
     plot(rows, path.with_suffix(".png"))
     print(table(rows))
-
-
-def _gpu_name() -> str | None:
-    import torch
-
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 def table(rows: list[dict]) -> str:
