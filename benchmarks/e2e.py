@@ -48,6 +48,18 @@ DECODE_TOKENS = 128
 TRAINED_FOR_EXTENSION = 8192  # "the model declared as trained on 8K"
 
 
+ENGINE_MODIFIERS = ("ext", "vllm-scheduler")
+
+
+def engine_parts(name: str) -> tuple[str, set[str]]:
+    """An infinitehip engine name's preset and modifiers (``3k-fast+ext`` -> ``3k-fast, {ext}``)."""
+    preset, *mods = name.split("+")
+    unknown = set(mods) - set(ENGINE_MODIFIERS)
+    if unknown:
+        raise SystemExit(f"unknown engine modifier(s) {sorted(unknown)} in {name!r}")
+    return preset, set(mods)
+
+
 def engine_spec(name: str, max_len: int) -> dict:
     """``flash_attn``, or an infinitehip preset with modifiers: ``+ext`` for context extension
     on, ``+vllm-scheduler`` for vLLM's own scheduler (with its per-step common-prefix walk,
@@ -58,10 +70,7 @@ def engine_spec(name: str, max_len: int) -> dict:
               hf_overrides={"max_position_embeddings": max_len})  # fmt: skip
     if name == "flash_attn":
         return {**kw, "attention_backend": "FLASH_ATTN"}
-    preset, *mods = name.split("+")
-    unknown = set(mods) - {"ext", "vllm-scheduler"}
-    if unknown:
-        raise SystemExit(f"unknown engine modifier(s) {sorted(unknown)} in {name!r}")
+    preset, mods = engine_parts(name)
     hip = {"preset": preset, "rope_extension": "ext" in mods}
     if "ext" in mods:
         hip["trained_context"] = TRAINED_FOR_EXTENSION
@@ -108,8 +117,8 @@ def kernel_table(prof, steps: int, top: int = 16) -> dict[str, float]:
 
 def timed_generate(llm):
     """``call(prompts, max_tokens) -> (seconds, outputs)``: greedy, ``ignore_eos``, token-id
-    prompts, token ids only; its first use (a warm-up prompt past the dense threshold, where Triton compiles
-    the kernels) is made here and not timed."""
+    prompts, token ids only; its first use (a warm-up prompt past the dense threshold, where
+    Triton compiles the kernels) is made here and not timed."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -174,8 +183,8 @@ def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], ma
     call = timed_generate(llm)
     rows = []
     backend = "flash_attn" if name == "flash_attn" else "infinitehip"
-    preset = None if name == "flash_attn" else name.partition("+")[0]
-    ext = "ext" in name.split("+")[1:]
+    preset, mods = (None, set()) if name == "flash_attn" else engine_parts(name)
+    ext = "ext" in mods
     for ctx in contexts:
         if time.perf_counter() - t_start > budget_s:
             print(f"[e2e] {name}: time budget spent before {ctx}", flush=True)
@@ -204,7 +213,8 @@ def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], ma
             prompts = [prompt[:-64] + random_prompt(64, 10 * ctx + i) for i in range(8)]
             call(prompts, 1)  # their suffixes' prefill
             rows.append({**base, "batch": 8, "prefill_s": None, "ttft_s": None,
-                         "decode_tok_s": round(8 * DECODE_TOKENS / decode_seconds(call, prompts)[0], 1),
+                         "decode_tok_s": round(
+                             8 * DECODE_TOKENS / decode_seconds(call, prompts)[0], 1),
                          "host_share": None})  # fmt: skip
             print(f"[e2e] {rows[-1]}", flush=True)
     return rows
