@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import itertools
+import math
 
 import pytest
 
@@ -210,6 +212,64 @@ def test_bad_config_raises_naming_the_field(tiny_model):
     with pytest.raises(ValueError, match=r"unknown field `infinitehip\.windw_tokens`"):
         LLM(tiny_model, attention_backend="infinitehip",
             additional_config={"infinitehip": {"windw_tokens": 5}}, **ENGINE_KW)
+
+
+def test_prefill_chunks_start_and_end_on_the_query_block_grid(hip_llm):
+    """Which queries share a pruning block must not depend on where vLLM cut the prompt: every
+    prefill chunk starts on the block_size_q grid and ends on it, or at the prompt's end; a
+    prefix-cache hit is shortened to the grid and leaves the last block_size_q tokens."""
+    from vllm import SamplingParams
+
+    engine = hip_llm.llm_engine
+    sched = engine.engine_core.engine_core.scheduler
+    bq = SMALL_HIP["stages"][0]["block_size_q"]
+    tok = hip_llm.get_tokenizer()
+    prompts = {rid: tok.encode(long_prompt(n, rid)) for rid, n in
+               [("grid-a", 1500), ("grid-b", 1900), ("grid-c", 700)]}  # fmt: skip
+    prompts["grid-a-again"] = prompts["grid-a"]
+    chunks: dict[str, list[tuple[int, int]]] = {rid: [] for rid in prompts}
+    outputs: dict[str, list[int]] = {}
+    vllm_schedule = sched.schedule
+
+    def recording_schedule(*args, **kwargs):
+        out = vllm_schedule(*args, **kwargs)
+        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for internal_id, n in out.num_scheduled_tokens.items():
+            rid = internal_id.rsplit("-", 1)[0]  # vLLM suffixes the id it was given
+            if starts[internal_id] < len(prompts[rid]):
+                chunks[rid].append((starts[internal_id], starts[internal_id] + n))
+        return out
+
+    def run(rids):
+        for rid in rids:
+            engine.add_request(rid, {"prompt_token_ids": prompts[rid]},
+                               SamplingParams(temperature=0, max_tokens=3))  # fmt: skip
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    outputs[o.request_id] = list(o.outputs[0].token_ids)
+
+    sched.schedule = recording_schedule
+    try:
+        run(["grid-a", "grid-b", "grid-c"])  # 2048-token budget: chunks cut by one another
+        run(["grid-a-again"])
+    finally:
+        del sched.schedule
+    for rid, spans in chunks.items():
+        n = len(prompts[rid])
+        assert spans[0][0] % bq == 0 and spans[-1][1] == n
+        assert all(s % bq == 0 and (e % bq == 0 or e == n) for s, e in spans), (rid, spans)
+        assert all(e == s2 for (_, e), (s2, _) in itertools.pairwise(spans))
+    # the budget cut a chunk short of the grid somewhere, or the alignment was not exercised
+    assert any(e != n and e % 2048 for rid, spans in chunks.items()
+               for n in [len(prompts[rid])] for _, e in spans[:-1])  # fmt: skip
+    n = len(prompts["grid-a"])
+    hit = chunks["grid-a-again"][0][0]
+    grid = math.lcm(bq, sched.block_size)  # a hit is whole KV blocks
+    assert hit % grid == 0 and n - bq - grid < hit <= n - bq  # vLLM's: (n - 1) // block * block
+    assert outputs["grid-a-again"] == outputs["grid-a"]
 
 
 def test_the_scheduler_skips_the_common_prefix_walk(hip_llm):
