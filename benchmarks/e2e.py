@@ -1,25 +1,30 @@
 """End to end through vLLM: infinitehip against vLLM's default GPU backend (FLASH_ATTN), one run.
 
-Every engine is vLLM's own ``LLM`` (in-process engine, CUDA graphs as vLLM configures them),
-Llama-3-8B architecture with dummy weights, bf16, ``max_num_batched_tokens=32768``, prefix
-caching on. Each engine runs in its own process (a deleted in-process engine keeps GPU memory).
+Every engine is vLLM's own ``LLM`` (CUDA graphs as vLLM configures them), Llama-3-8B
+architecture with dummy weights, bf16, ``max_num_batched_tokens=32768``, prefix caching on. Each
+engine runs in its own process (a deleted in-process engine keeps GPU memory). Its engine core
+runs in that process (so the profilers see it), or with ``+mp`` in the engine name in a process
+of its own, as ``LLM`` and ``vllm serve`` do by default.
 
 Per context and engine:
 
 - ``prefill_s`` and ``ttft_s``: a cold prompt with ``max_tokens=1``; prefill is the engine's own
   ``first_token_ts - scheduled_ts``, TTFT its ``first_token_latency`` (arrival to first token);
-- ``decode_tok_s`` at batch 1: the same prompt again (a prefix-cache hit, so no prefill),
-  ``(t(129 tokens) - t(1 token)) / 128``, each time the median of three calls, and
-  ``decode_tok_s_engine_ts``, 128 over the engine core's own ``last_token_ts - first_token_ts``
-  of the long call. The wall-time difference read 207.8 tok/s at 512K where the timestamps
-  read 104.4 and the GPU allows about 178: use the timestamps at long contexts;
+- ``decode_tok_s`` at batch 1: the same prompt again (a prefix-cache hit, so no prefill), 128
+  tokens over the engine core's own ``last_token_ts - first_token_ts`` of a 129-token call, the
+  median of three calls. ``decode_tok_s_wall_diff`` is ``(t(129 tokens) - t(1 token)) / 128``
+  of the calls' wall times, what this benchmark reported before 2026-12-02: it read 207.8 tok/s
+  at 512K where the timestamps read 104.4 and the GPU allows about 178, so it is kept only to
+  compare with the older files;
 - ``decode_tok_s`` at batch 8 (``--batch8-contexts``): eight prompts sharing the context but their
   last 64 tokens (so their KV fits beside each other through prefix caching), tokens per second of
-  the whole batch, the same difference of two calls;
-- ``host_share``: 1 - (time the GPU ran any kernel during a 33-token decode call, from
-  ``torch.profiler`` CUDA activity) / (wall time of the same call unprofiled). The call's own
-  small prefill (a prefix-cache hit recomputes its last block), sampling and detokenizing count
-  as host time too.
+  the whole batch, from the same timestamps (of the slowest request);
+- ``host_share`` and ``kernel_us_per_step`` (in-process engine cores only): the GPU time of a
+  decode step, from ``torch.profiler`` CUDA activity of a 129-token call less that of a 1-token
+  call (``decode_profile``; a prefix-cache hit recomputes the prompt's tail, which cancels),
+  against the step's time from the engine timestamps: host_share = 1 - GPU busy / step.
+  ``--host-profile`` adds ``host_ms_per_step``, the host functions of a decode call from
+  ``cProfile``.
 
 Every engine first serves a warm-up prompt past the dense threshold (Triton compiles its kernels
 on first use); no timing includes it. Results: ``e2e-gpu-<date>.json`` (rows as the issue names
@@ -27,7 +32,7 @@ them), a PNG of tok/s against context, and a table on stdout. Contexts whose FLA
 would not fit the run's time are skipped for that backend (``--skip``) and reported as not run.
 
     python benchmarks/e2e.py --model /tmp/devbundle-models/model-llama3-8b-config \\
-        --contexts 32768 131072 524288 --engines flash_attn 3k-fast 3k-fast+ext
+        --contexts 32768 131072 524288 --engines flash_attn 3k-fast 3k-fast+ext 3k-fast+mp
 """
 
 from __future__ import annotations
@@ -41,14 +46,12 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
 WARMUP_TOKENS = 16384
 DECODE_TOKENS = 128
 TRAINED_FOR_EXTENSION = 8192  # "the model declared as trained on 8K"
 
 
-ENGINE_MODIFIERS = ("ext", "vllm-scheduler")
+ENGINE_MODIFIERS = ("ext", "vllm-scheduler", "mp")
 
 
 def engine_parts(name: str) -> tuple[str, set[str]]:
@@ -63,14 +66,16 @@ def engine_parts(name: str) -> tuple[str, set[str]]:
 def engine_spec(name: str, max_len: int) -> dict:
     """``flash_attn``, or an infinitehip preset with modifiers: ``+ext`` for context extension
     on, ``+vllm-scheduler`` for vLLM's own scheduler (with its per-step common-prefix walk,
-    which infinitehip's scheduler skips: the A/B of that change)."""
+    which infinitehip's scheduler skips: the A/B of that change). ``+mp`` (also on
+    ``flash_attn``) runs the engine core in its own process, as ``LLM`` and ``vllm serve`` do by
+    default; it is read in ``run_engine``, before vLLM is imported."""
     kw = dict(load_format="dummy", dtype="bfloat16", max_model_len=max_len,
               max_num_batched_tokens=32768, enable_prefix_caching=True,
               gpu_memory_utilization=0.94, disable_log_stats=False, seed=0,
               hf_overrides={"max_position_embeddings": max_len})  # fmt: skip
-    if name == "flash_attn":
-        return {**kw, "attention_backend": "FLASH_ATTN"}
     preset, mods = engine_parts(name)
+    if preset == "flash_attn":
+        return {**kw, "attention_backend": "FLASH_ATTN"}
     hip = {"preset": preset, "rope_extension": "ext" in mods}
     if "ext" in mods:
         hip["trained_context"] = TRAINED_FOR_EXTENSION
@@ -86,15 +91,19 @@ def random_prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(1000, 100000) for _ in range(n)]
 
 
-def gpu_busy_share(prof) -> float:
-    """Microseconds the GPU spent in kernels (union of their intervals)."""
-    spans = sorted(
-        (e.time_range.start, e.time_range.end)
+def _kernel_spans(prof) -> list[tuple[str, float, float]]:
+    """Every CUDA kernel of a ``torch.profiler`` run (kernels inside CUDA graphs included)."""
+    return [
+        (e.name, e.time_range.start, e.time_range.end)
         for e in prof.events()
         if getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA"
-    )
+    ]
+
+
+def _busy_us(spans) -> float:
+    """Microseconds the GPU ran any kernel (the union of their intervals)."""
     busy, end = 0.0, float("-inf")
-    for s, e in spans:
+    for _, s, e in sorted(spans, key=lambda x: x[1]):
         if e <= end:
             continue
         busy += e - max(s, end)
@@ -102,17 +111,32 @@ def gpu_busy_share(prof) -> float:
     return busy
 
 
-def kernel_table(prof, steps: int, top: int = 16) -> dict[str, float]:
-    """GPU µs per decode step of each kernel (kernels inside CUDA graphs included), largest first:
-    what explains a row's decode time."""
-    totals: dict[str, float] = {}
-    for e in prof.events():
-        if getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA":
-            totals[e.name] = totals.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1])
-    table = {name[:80]: round(us / steps, 1) for name, us in ranked[:top]}
-    table["(all kernels)"] = round(sum(totals.values()) / steps, 1)
-    return table
+def decode_profile(call, prompts, step_s: float, top: int = 16) -> tuple[float, dict[str, float]]:
+    """``(host_share, kernel_us_per_step)`` of decode steps alone: a profiled
+    (DECODE_TOKENS + 1)-token call less a profiled 1-token call on the same prompts (both prefix
+    hits, so the recomputed tail, the first token and the call's fixed costs cancel), divided by
+    DECODE_TOKENS. ``host_share`` is 1 - the GPU's busy time per step / ``step_s`` (the engine
+    timestamps' step); the table is each kernel's GPU µs per step, largest first."""
+    import torch
+
+    def profiled(n):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+            call(prompts, n)
+        spans = _kernel_spans(p)
+        totals: dict[str, float] = {}
+        for name, s, e in spans:
+            totals[name] = totals.get(name, 0.0) + (e - s)
+        return _busy_us(spans), totals
+
+    busy_1, k_1 = profiled(1)
+    busy_n, k_n = profiled(DECODE_TOKENS + 1)
+    per_step = {name: (us - k_1.get(name, 0.0)) / DECODE_TOKENS for name, us in k_n.items()}
+    ranked = sorted(per_step.items(), key=lambda kv: -kv[1])
+    table = {name[:80]: round(us, 1) for name, us in ranked[:top]}
+    table["(all kernels)"] = round(sum(per_step.values()), 1)
+    busy = (busy_n - busy_1) / DECODE_TOKENS
+    table["(GPU busy)"] = round(busy, 1)
+    return round(max(0.0, 1.0 - busy / (step_s * 1e6)), 3), table
 
 
 def timed_generate(llm):
@@ -171,9 +195,29 @@ def decode_seconds(call, prompts) -> tuple[float, float]:
     return many - one, statistics.median(engine_s(outs) for _, outs in longs)
 
 
+def host_profile(call, prompt, top: int = 25) -> list[list]:
+    """The host functions of one in-process decode call of DECODE_TOKENS + 1 tokens (cProfile
+    of this thread: the scheduler, the model runner's input preparation and the output
+    processing), largest own time first, in ms per decode step: what leaves the GPU idle."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    call([prompt], DECODE_TOKENS + 1)
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [[f"{Path(f).name}:{line}:{fn}", calls, round(tt * 1e3 / DECODE_TOKENS, 3),
+             round(ct * 1e3 / DECODE_TOKENS, 3)]
+            for (f, line, fn), (_, calls, tt, ct, _) in ranked]  # fmt: skip
+
+
 def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], max_len: int,
-               budget_s: float) -> list[dict]:  # fmt: skip
-    import torch
+               budget_s: float, profile_host: bool) -> list[dict]:  # fmt: skip
+    preset, mods = engine_parts(name)
+    # before vLLM is imported: vllm.envs reads it when the engine is built
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if "mp" in mods else "0"
     from vllm import LLM
 
     t_start = time.perf_counter()
@@ -182,9 +226,7 @@ def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], ma
 
     call = timed_generate(llm)
     rows = []
-    backend = "flash_attn" if name == "flash_attn" else "infinitehip"
-    preset, mods = (None, set()) if name == "flash_attn" else engine_parts(name)
-    ext = "ext" in mods
+    backend = "flash_attn" if preset == "flash_attn" else "infinitehip"
     for ctx in contexts:
         if time.perf_counter() - t_start > budget_s:
             print(f"[e2e] {name}: time budget spent before {ctx}", flush=True)
@@ -193,37 +235,45 @@ def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], ma
         prefill, ttft = cold_prefill(call, prompt)
         wall_s, engine_s = decode_seconds(call, [prompt])
         decode, decode_engine = DECODE_TOKENS / wall_s, DECODE_TOKENS / engine_s
-        # GPU busy time from a profiled call, wall time from the same call unprofiled (the
-        # profiler slows the host, not the kernels)
-        t33, _ = call([prompt], 33)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            call([prompt], 33)
-        host_share = max(0.0, 1.0 - gpu_busy_share(prof) / (t33 * 1e6))
-        kernels = kernel_table(prof, steps=32)
-        print(f"[e2e] {name} {ctx}: GPU us per decode step by kernel: {kernels}", flush=True)
-        base = dict(context=ctx, backend=backend, preset=preset, rope_extension=ext,
+        base = dict(context=ctx, backend=backend,
+                    preset=None if backend == "flash_attn" else preset,
+                    rope_extension="ext" in mods, engine_core_process="mp" in mods,
                     engine=name, init_s=round(init_s, 1))  # fmt: skip
-        rows.append({**base, "batch": 1, "prefill_s": round(prefill, 3),
-                     "ttft_s": round(ttft, 3), "decode_tok_s": round(decode, 1),
-                     "decode_tok_s_engine_ts": round(decode_engine, 1),
-                     "host_share": round(host_share, 3),
-                     "kernel_us_per_step": kernels})  # fmt: skip
+        row = {**base, "batch": 1, "prefill_s": round(prefill, 3), "ttft_s": round(ttft, 3),
+               "decode_tok_s": round(decode_engine, 1), "decode_tok_s_wall_diff": round(decode, 1),
+               "host_share": None}  # fmt: skip
+        if "mp" not in mods:  # the profilers see the engine core only in this process
+            row["host_share"], row["kernel_us_per_step"] = decode_profile(
+                call, [prompt], engine_s / DECODE_TOKENS)
+            print(f"[e2e] {name} {ctx}: GPU us per decode step by kernel: "
+                  f"{row['kernel_us_per_step']}", flush=True)  # fmt: skip
+            if profile_host:
+                row["host_ms_per_step"] = host_profile(call, prompt)
+                print(f"[e2e] {name} {ctx}: host functions [name, calls, own ms/step, "
+                      f"cumulative ms/step]:", flush=True)  # fmt: skip
+                for fn in row["host_ms_per_step"]:
+                    print(f"[e2e]   {fn}", flush=True)
+        rows.append(row)
         print(f"[e2e] {rows[-1]}", flush=True)
         if ctx in batch8:
             prompts = [prompt[:-64] + random_prompt(64, 10 * ctx + i) for i in range(8)]
             call(prompts, 1)  # their suffixes' prefill
+            wall_s, engine_s = decode_seconds(call, prompts)
             rows.append({**base, "batch": 8, "prefill_s": None, "ttft_s": None,
-                         "decode_tok_s": round(
-                             8 * DECODE_TOKENS / decode_seconds(call, prompts)[0], 1),
+                         "decode_tok_s": round(8 * DECODE_TOKENS / engine_s, 1),
+                         "decode_tok_s_wall_diff": round(8 * DECODE_TOKENS / wall_s, 1),
                          "host_share": None})  # fmt: skip
             print(f"[e2e] {rows[-1]}", flush=True)
     return rows
 
 
 def add_ratios(rows: list[dict]) -> None:
-    fa = {(r["context"], r["batch"]): r for r in rows if r["backend"] == "flash_attn"}
+    def key(r):  # against FLASH_ATTN with the engine core in the same kind of process
+        return r["context"], r["batch"], r.get("engine_core_process", False)
+
+    fa = {key(r): r for r in rows if r["backend"] == "flash_attn"}
     for r in rows:
-        base = fa.get((r["context"], r["batch"]))
+        base = fa.get(key(r))
         r["decode_speedup_vs_flash_attn"] = (
             round(r["decode_tok_s"] / base["decode_tok_s"], 2) if base else None
         )
@@ -273,6 +323,7 @@ def markdown_table(rows: list[dict], cols: list[str]) -> str:
 
 def table(rows: list[dict]) -> str:
     cols = ["context", "engine", "batch", "prefill_s", "ttft_s", "decode_tok_s",
+            "decode_tok_s_wall_diff",
             "decode_speedup_vs_flash_attn", "prefill_speedup_vs_flash_attn", "host_share"]
     return markdown_table(sorted(rows, key=lambda r: (r["context"], r["batch"], r["engine"])), cols)
 
@@ -324,6 +375,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--merge", action="store_true", help="keep rows of other engines/contexts "
                     "already in today's file")  # fmt: skip
+    ap.add_argument("--host-profile", action="store_true",
+                    help="cProfile one decode call per in-process engine and context")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     max_len = args.max_model_len or max(args.contexts) + 128
@@ -333,13 +386,14 @@ def main() -> None:
         skip = {int(s.split(":")[1]) for s in args.skip if s.split(":")[0] == name}
         contexts = [c for c in args.contexts if c not in skip]
         rows = run_engine(args.model, name, contexts, args.batch8_contexts, max_len,
-                          args.budget_s)  # fmt: skip
+                          args.budget_s, args.host_profile)  # fmt: skip
         Path(out).write_text(json.dumps(rows))
         return
 
     notes = ("compiling warm-up call excluded from every timing; prefill_s and ttft_s from vLLM's "
-             "request timestamps; decode from two calls on a prefix-cache hit; host_share from "
-             "torch.profiler (an upper bound)")  # fmt: skip
+             "request timestamps; decode_tok_s from the engine core's token timestamps on a "
+             "prefix-cache hit; host_share and kernel_us_per_step from torch.profiler, a "
+             "129-token call less a 1-token call")  # fmt: skip
     rows = drive_engines(__file__, "e2e", args, lambda r: (r["engine"], r["context"], r["batch"]),
                          add_ratios, plot, notes)  # fmt: skip
     print(table(rows))

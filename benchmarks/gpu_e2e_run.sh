@@ -23,13 +23,16 @@ case $what in
     timeout 560 $PYTEST -x -rA tests/gpu "$@" 2>&1 | tee "$OUTDIR/gpu-vllm-tests.log" \
       | grep -E "passed|failed|Error|error|assert|PASSED|FAILED" | grep -vE "^(INFO|WARNING|DEBUG)" | tail -30 ;;
   e2e)
-    # results accumulate in /root/e2e across calls (--merge), copied to $OUT after each
+    # e2e.py rewrites its JSON after each engine straight into $OUT, so a call cut off at its
+    # limit still returns the engines it finished; /root/e2e carries the rows across calls
+    # on the same machine (--merge), and rows of an earlier machine (FLASH_ATTN's long
+    # prefills) travel in the tree
     mkdir -p /root/e2e
-    # rows of an earlier machine this session (FLASH_ATTN's long prefills) travel in the tree
     [ -n "$(ls /root/e2e/e2e-gpu-* 2>/dev/null)" ] || cp benchmarks/results/e2e-gpu-*.json /root/e2e/ 2>/dev/null
-    python3 benchmarks/e2e.py --out /root/e2e --merge "$@" 2>&1 | tee -a /root/e2e/e2e.log \
-      | grep -E "^\[e2e\]|^\||Error|error" | tail -60
-    cp /root/e2e/e2e-gpu-* /root/e2e/e2e.log "$OUTDIR"/ ;;
+    [ "$OUTDIR" = benchmarks/results ] || cp /root/e2e/e2e-gpu-* "$OUTDIR"/ 2>/dev/null
+    python3 benchmarks/e2e.py --out "$OUTDIR" --merge "$@" 2>&1 | tee -a "$OUTDIR/e2e.log" \
+      | grep -E "^\[e2e\]|^\||Error|error" | tail -80
+    cp "$OUTDIR"/e2e-gpu-* /root/e2e/ ;;
   tier-tests)
     # the host store's CUDA tests (the engine-level ones need the CPU's tiny model), then the
     # tier on/off greedy test through vLLM with CUDA graphs

@@ -5,9 +5,11 @@ process (CUDA graphs as vLLM configures them), each engine in its own process. P
 engine:
 
 - ``prefill_s``: a cold prompt with ``max_tokens=1`` (vLLM's ``first_token_ts - scheduled_ts``);
-- ``decode_tok_s`` at batch 1: the same prompt again (a prefix-cache hit), ``(t(129 tokens) -
-  t(1 token)) / 128``, medians of three (``e2e.decode_seconds``), and ``decode_tok_s_engine_ts``
-  from the engine's own token timestamps of the long call (the reliable one at long contexts);
+- ``decode_tok_s`` at batch 1: the same prompt again (a prefix-cache hit), 128 tokens over the
+  engine core's own ``last_token_ts - first_token_ts`` of a 129-token call, and
+  ``decode_tok_s_wall_diff``, ``(t(129 tokens) - t(1 token)) / 128`` of the wall times (what
+  files before 2026-12-02 reported as ``decode_tok_s``; unreliable at long contexts), each the
+  median of three (``e2e.decode_seconds``);
 - the greedy tokens of one 129-token call, compared across engines of the same context
   (``greedy_equal_to_tier_off``);
 - with the tier on, its counters over the timed decode calls (the ``infinitehip_stats`` worker method):
@@ -15,7 +17,7 @@ engine:
   (pages a refresh asked for that were already resident), ``host_bytes_per_step`` (attention's
   host reads plus the copies into the bank). ``hit_ratio_mask`` stays null: the pruning stages
   have no bank of their own yet, and their host reads are not counted;
-- ``host_share`` and ``kernel_us_per_step``: as in ``e2e.py``, from a profiled 33-token call.
+- ``host_share`` and ``kernel_us_per_step``: as in ``e2e.py`` (``e2e.decode_profile``).
 
 The compiling warm-up call is excluded from every timing. Results:
 ``offload-gpu-<date>.json`` with the issue's row fields, a PNG and a table on stdout.
@@ -38,11 +40,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from e2e import (
     DECODE_TOKENS,
     cold_prefill,
+    decode_profile,
     decode_seconds,
     drive_engines,
     engine_spec,
-    gpu_busy_share,
-    kernel_table,
     markdown_table,
     random_prompt,
     timed_generate,
@@ -92,23 +93,16 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
         tokens = list(outs[0].outputs[0].token_ids)
         llm.collective_rpc("infinitehip_stats", kwargs={"reset": True})
         wall_s, engine_s = decode_seconds(call, [prompt])
-        decode = DECODE_TOKENS / wall_s
         stats = llm.collective_rpc("infinitehip_stats", kwargs={"reset": True})[0]
         tier = stats.get("tier", {})
-        # where a step's time goes: GPU time by kernel (graphs included) and the idle share,
-        # from a profiled 33-token call against the same call unprofiled
-        import torch
-
-        t33, _ = call([prompt], 33)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            call([prompt], 33)
-        host_share = max(0.0, 1.0 - gpu_busy_share(prof) / (t33 * 1e6))
-        kernels = kernel_table(prof, steps=32)
+        # where a step's time goes: GPU time by kernel (graphs included) and the idle share
+        host_share, kernels = decode_profile(call, [prompt], engine_s / DECODE_TOKENS)
         rows.append({
             "context": ctx, "kv_dtype": kv, "offload": bank is not None, "bank_gib": bank,
             "host_kv_gib": round(ctx * KV_BYTES_PER_TOKEN[kv] / 2**30, 1) if bank else 0.0,
-            "engine": name, "init_s": round(init_s, 1), "decode_tok_s": round(decode, 1),
-            "decode_tok_s_engine_ts": round(DECODE_TOKENS / engine_s, 1),
+            "engine": name, "init_s": round(init_s, 1),
+            "decode_tok_s": round(DECODE_TOKENS / engine_s, 1),
+            "decode_tok_s_wall_diff": round(DECODE_TOKENS / wall_s, 1),
             "prefill_s": round(prefill, 2),
             "hit_ratio_mask": None,
             "hit_ratio_promote": _round(tier.get("hit_ratio_promote")),
