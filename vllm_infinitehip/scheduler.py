@@ -21,7 +21,8 @@ starts and ends on a multiple of ``block_size_q`` (absolute positions) but the p
 - a prefix-cache hit is shortened to the grid, and to leave at least the prompt's last
   ``block_size_q`` tokens to compute (the prefill tail, a block of its own: the config's
   ``prefill_tail_window``), through the kv cache manager's ``get_computed_blocks``; this
-  recomputes fewer than ``2 * block_size_q`` more tokens than vLLM would;
+  recomputes fewer than ``block_size_q + lcm(block_size_q, block_size)`` more tokens than
+  vLLM's own hit would;
 - a chunk that is not the request's last ends on the grid, through the scheduler's own chunk-end
   hook (``_mamba_block_aligned_split``, which vLLM calls for models with Mamba layers in
   "align" cache mode; this model has none). A chunk whose budget does not reach the next grid
