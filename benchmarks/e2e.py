@@ -198,7 +198,9 @@ def decode_seconds(call, prompts) -> tuple[float, float]:
 def host_profile(call, prompt, top: int = 25) -> list[list]:
     """The host functions of one in-process decode call of DECODE_TOKENS + 1 tokens (cProfile
     of this thread: the scheduler, the model runner's input preparation and the output
-    processing), largest own time first, in ms per decode step: what leaves the GPU idle."""
+    processing), largest own time first, in ms per decode step: what can leave the GPU idle.
+    The call's once-per-request costs (hashing the prompt's blocks, the prefix-cache lookup)
+    are spread over its steps too."""
     import cProfile
     import pstats
 
