@@ -227,6 +227,11 @@ def test_prefill_chunks_start_and_end_on_the_query_block_grid(hip_llm):
     prompts = {rid: tok.encode(long_prompt(n, rid)) for rid, n in
                [("grid-a", 1500), ("grid-b", 1900), ("grid-c", 700)]}  # fmt: skip
     prompts["grid-a-again"] = prompts["grid-a"]
+    block = sched.block_size
+    # a prefix of grid-a whose cached blocks end 5 tokens short of its end: vLLM's own hit
+    # would leave a 5-query tail block, so the hit must be shortened
+    cut = (len(prompts["grid-a"]) // block - 1) * block + 5
+    prompts["grid-a-prefix"] = prompts["grid-a"][:cut]
     chunks: dict[str, list[tuple[int, int]]] = {rid: [] for rid in prompts}
     outputs: dict[str, list[int]] = {}
     vllm_schedule = sched.schedule
@@ -255,6 +260,7 @@ def test_prefill_chunks_start_and_end_on_the_query_block_grid(hip_llm):
     try:
         run(["grid-a", "grid-b", "grid-c"])  # 2048-token budget: chunks cut by one another
         run(["grid-a-again"])
+        run(["grid-a-prefix"])
     finally:
         del sched.schedule
     for rid, spans in chunks.items():
@@ -263,12 +269,14 @@ def test_prefill_chunks_start_and_end_on_the_query_block_grid(hip_llm):
         assert all(s % bq == 0 and (e % bq == 0 or e == n) for s, e in spans), (rid, spans)
         assert all(e == s2 for (_, e), (s2, _) in itertools.pairwise(spans))
     # the budget cut a chunk short of the grid somewhere, or the alignment was not exercised
-    assert any(e != n and e % 2048 for rid, spans in chunks.items()
-               for n in [len(prompts[rid])] for _, e in spans[:-1])  # fmt: skip
-    n = len(prompts["grid-a"])
-    hit = chunks["grid-a-again"][0][0]
-    grid = math.lcm(bq, sched.block_size)  # a hit is whole KV blocks
-    assert hit % grid == 0 and n - bq - grid < hit <= n - bq  # vLLM's: (n - 1) // block * block
+    assert any(e % 2048 for spans in chunks.values() for _, e in spans[:-1])
+    grid = math.lcm(bq, block)  # a hit is whole KV blocks
+    for rid in ("grid-a-again", "grid-a-prefix"):  # every full block of both is cached
+        n = len(prompts[rid])
+        vllm_hit = (n - 1) // block * block
+        assert chunks[rid][0][0] == max(0, min(vllm_hit, n - bq)) // grid * grid
+    n = len(prompts["grid-a-prefix"])
+    assert chunks["grid-a-prefix"][0][0] < (n - 1) // block * block  # the hit was shortened
     assert outputs["grid-a-again"] == outputs["grid-a"]
 
 
