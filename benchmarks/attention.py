@@ -183,6 +183,7 @@ def run_context(t: int, cfg: InfiniteHiPConfig, bw: float,
     scores = dec.allocate_scores(dec.stage_widths(params, t), 1, q.device)
     i32 = dict(dtype=torch.int32, device="cuda")
     rows = dec.DecodeRows(btab, seq_lens, torch.zeros(1, **i32), torch.zeros(1, **i32))
+    arrivals = torch.zeros(1, **i32)  # preallocated, as the backend's (no memset in a graph)
 
     def attend():
         return sparse_decode_attention(
@@ -192,7 +193,7 @@ def run_context(t: int, cfg: InfiniteHiPConfig, bw: float,
         )
 
     def decode_step():
-        refresh_masks(params, masks, q, kv, rows, scale, scores)
+        refresh_masks(params, masks, q, kv, rows, scale, scores, arrivals=arrivals)
         return attend()
 
     decode_step()  # level 0: fills the stored stage inputs the other levels resume from

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Third of three device calls (shared/device/README.md), with the vLLM bundle in /root/b:
 #   run(command="bash benchmarks/gpu_e2e_run.sh tests")            kernel + vLLM GPU tests
+#   run(command="bash benchmarks/gpu_e2e_run.sh kernel-tests")     the kernel tests alone
 #   run(command="bash benchmarks/gpu_e2e_run.sh vllm-tests [-k EXPR]") the vLLM GPU tests alone
 #   run(command="bash benchmarks/gpu_e2e_run.sh e2e [e2e.py args]") the end-to-end benchmark
 #   run(command="bash benchmarks/gpu_e2e_run.sh attention [contexts]") the kernel benchmark
@@ -19,6 +20,9 @@ case $what in
       2>&1 | tee "$OUTDIR/gpu-tests.log" | tail -8
     timeout 330 $PYTEST -x -rA tests/gpu 2>&1 | tee "$OUTDIR/gpu-vllm-tests.log" \
       | grep -E "passed|failed|Error|error|assert|PASSED|FAILED" | grep -vE "^(INFO|WARNING|DEBUG)" | tail -30 ;;
+  kernel-tests)
+    timeout 300 $PYTEST tests/test_triton_decode.py tests/test_triton_bsa.py tests/test_triton_prune.py \
+      2>&1 | tee "$OUTDIR/gpu-tests.log" | tail -8 ;;
   vllm-tests)
     timeout 560 $PYTEST -x -rA tests/gpu "$@" 2>&1 | tee "$OUTDIR/gpu-vllm-tests.log" \
       | grep -E "passed|failed|Error|error|assert|PASSED|FAILED" | grep -vE "^(INFO|WARNING|DEBUG)" | tail -30 ;;

@@ -45,6 +45,8 @@ class DecodeScratch:
 
     scores: list[torch.Tensor]  # per stage [max rows, W_i] float32 at -inf
     workspace: torch.Tensor | None  # flat float32 split partials (GPU)
+    # int32 [max rows] at zero, left so: the fused top-k's arrival counters (GPU)
+    arrivals: torch.Tensor | None = None
     placement: object | None = None  # triton_decode.QueryPlacement of the layer
     # the layer's host-tier bank (pages, residency table): decode reads resident pages there
     bank: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -176,7 +178,8 @@ class TritonOps:
 
         triton_decode.refresh_masks(params, masks, q, kv_cache, rows, scale, scratch.scores,
                                     scratch.placement, bank=scratch.bank, k_scale=k_scale,
-                                    v_scale=v_scale, reduce_scores=self.reduce_scores)  # fmt: skip
+                                    v_scale=v_scale, reduce_scores=self.reduce_scores,
+                                    arrivals=scratch.arrivals)  # fmt: skip
 
     def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch, *,
                       k_scale=None, v_scale=None):  # fmt: skip

@@ -1,16 +1,19 @@
 """Decode masks for a whole batch: one pruning cascade for every decode row of a step (§1.4-§1.6).
 
-Per layer and stage, two launches serve all decode rows, whatever their refresh levels:
+Per layer and stage, one launch serves all decode rows, whatever their refresh levels:
 
 - :func:`_decode_select_kernel` (grid: rows x chunk tiles x head blocks) is SelectRep for one
   decode query per row over that row's candidate chunks. A program takes ``HEADS`` query heads
   of one KV group (scores max-reduced in registers); programs meet in an atomic max into
   ``scores[row, chunk]``. ``HEADS = 1``: each bisection step waits on its gathered keys, so more
   programs in flight beat sharing the group's first probes (the heads diverge after one step).
-- :func:`_top_chunks_kernel` (grid: rows) keeps each row's top ``keep`` chunks by score, in
-  position order, and splits them into the next stage's chunks (or, after the last stage, writes
-  the final blocks) in the row's state slot. It resets the scores it read to -inf, so the scratch
-  needs no clearing launch.
+- The row's last program to finish (an atomic arrival counter per row, zeroed again by that
+  program) runs :func:`_keep_top`: it keeps the row's top ``keep`` chunks by score, in position
+  order, and splits them into the next stage's chunks (or, after the last stage, writes the
+  final blocks) in the row's state slot. It resets the scores it read to -inf, so the scratch
+  needs no clearing launch. A stage wider than ``FUSED_TOP_MAX_CHUNKS``, or one whose scores
+  are combined over TP ranks first, runs the same function as :func:`_top_chunks_kernel`
+  (grid: rows), a launch of its own.
 
 A row takes part in stage ``i`` only if its refresh level is ``<= i`` (``-1``: a row without a
 slot takes part in nothing), so the launch sequence is the same for every step and can be
@@ -46,6 +49,10 @@ from .triton_rope import (
 )
 
 ROPE_NONE, ROPE_RELATIVE, ROPE_CHUNK_INDEXED = 0, 1, 2
+# The widest score row (a power of two) that a 4-warp SelectRep program ranks in registers
+# without raising the kernel's register count above what its probes need: 16 per thread. A
+# wider stage (stage 0 past ~512K tokens) keeps its top-k launch, of 8 or 16 warps.
+FUSED_TOP_MAX_CHUNKS = 2048
 _ROPE_CODES = {"none": ROPE_NONE, "relative": ROPE_RELATIVE, "chunk-indexed": ROPE_CHUNK_INDEXED}
 
 
@@ -174,6 +181,12 @@ def _decode_select_kernel(
     stride_cc,
     stride_ns,
     stride_sb,
+    arrivals_ptr,
+    out_ptr,
+    stride_os,
+    stride_oc,
+    keep,
+    n_scores,
     STAGE: tl.constexpr,
     GROUP: tl.constexpr,
     HEADS: tl.constexpr,
@@ -189,6 +202,12 @@ def _decode_select_kernel(
     BLOCK_D: tl.constexpr,
     HAS_BANK: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FUSE_TOP: tl.constexpr,
+    OUT_INDEX: tl.constexpr,
+    WRITE_WIDTH: tl.constexpr,
+    SUB: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -204,6 +223,14 @@ def _decode_select_kernel(
         STAGE, CHUNK_SIZE,
     )  # fmt: skip
     if tile * BLOCK_CHUNK >= n_cand:
+        if FUSE_TOP:
+            if (n_cand == 0) & (tile == 0) & (head_block == 0):  # nothing scored: none arrive
+                _keep_top(
+                    b, row_slot, seq_len, n_cand, width, scores_ptr, cand_ptr, counts_ptr,
+                    widths_ptr, out_ptr, stride_sb, stride_cs, stride_cc, stride_ns, stride_os,
+                    stride_oc, sink_tokens, keep, n_scores, STAGE, OUT_INDEX, WRITE_WIDTH,
+                    CHUNK_SIZE, SUB, SPLIT, BLOCK_C,
+                )  # fmt: skip
         return
     offs_c = tile * BLOCK_CHUNK + tl.arange(0, BLOCK_CHUNK)
     c_in = offs_c < n_cand
@@ -292,14 +319,31 @@ def _decode_select_kernel(
         best_all = tl.maximum(best_all, best)
     # The max over heads is exact in any order, so the atomic keeps the result deterministic.
     tl.atomic_max(scores_ptr + b.to(tl.int64) * stride_sb + offs_c, best_all, mask=c_in)
+    if FUSE_TOP:
+        # The row's last program to arrive ranks its scores: the top-k costs no launch of its
+        # own (a reuse step's cascade is launches whose programs exit at once). The barrier
+        # puts every thread's maxima before the release of the arrival.
+        tl.debug_barrier()
+        n_prog = tl.cdiv(n_cand, BLOCK_CHUNK) * tl.num_programs(2)
+        arrived = tl.atomic_add(arrivals_ptr + b, 1, sem="acq_rel")
+        if arrived == n_prog - 1:
+            tl.atomic_xchg(arrivals_ptr + b, 0)  # zero again for the next launch
+            _keep_top(
+                b, row_slot, seq_len, n_cand, width, scores_ptr, cand_ptr, counts_ptr,
+                widths_ptr, out_ptr, stride_sb, stride_cs, stride_cc, stride_ns, stride_os,
+                stride_oc, sink_tokens, keep, n_scores, STAGE, OUT_INDEX, WRITE_WIDTH,
+                CHUNK_SIZE, SUB, SPLIT, BLOCK_C,
+            )  # fmt: skip
 
 
 @triton.jit
-def _top_chunks_kernel(
+def _keep_top(
+    b,
+    row_slot,
+    seq_len,
+    n_cand,
+    width,
     scores_ptr,
-    seq_lens_ptr,
-    slot_ptr,
-    level_ptr,
     cand_ptr,
     counts_ptr,
     widths_ptr,
@@ -311,7 +355,6 @@ def _top_chunks_kernel(
     stride_os,
     stride_oc,
     sink_tokens,
-    scan_window,
     keep,
     n_scores,
     STAGE: tl.constexpr,
@@ -322,21 +365,14 @@ def _top_chunks_kernel(
     SPLIT: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    row_slot = tl.load(slot_ptr + b)
-    level = tl.load(level_ptr + b)
-    if (row_slot < 0) | (level < 0) | (level > STAGE):
-        return
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    """Row ``b``'s top ``keep`` chunks by score, split into the next stage's input (or the
+    final blocks) of its slot; resets the scores it read to -inf."""
     offs = tl.arange(0, BLOCK_C)
     in_c = offs < n_scores
     score_row = scores_ptr + b.to(tl.int64) * stride_sb
-    s = tl.load(score_row + offs, mask=in_c, other=float("-inf"))
+    # .cg: the scores are other programs' atomics, in L2; an L1 line of them could be stale
+    s = tl.load(score_row + offs, mask=in_c, other=float("-inf"), cache_modifier=".cg")
     tl.store(score_row + offs, tl.full([BLOCK_C], float("-inf"), tl.float32), mask=in_c)
-    n_cand, width = _stage_input(
-        row_slot, seq_len, counts_ptr, widths_ptr, stride_ns, sink_tokens, scan_window,
-        STAGE, CHUNK_SIZE,
-    )  # fmt: skip
     if STAGE == 0:
         start = sink_tokens + offs * CHUNK_SIZE
     else:
@@ -376,7 +412,69 @@ def _top_chunks_kernel(
                  tl.minimum(keep, width) * SPLIT)  # fmt: skip
 
 
+@triton.jit
+def _top_chunks_kernel(
+    scores_ptr,
+    seq_lens_ptr,
+    slot_ptr,
+    level_ptr,
+    cand_ptr,
+    counts_ptr,
+    widths_ptr,
+    out_ptr,
+    stride_sb,
+    stride_cs,
+    stride_cc,
+    stride_ns,
+    stride_os,
+    stride_oc,
+    sink_tokens,
+    scan_window,
+    keep,
+    n_scores,
+    STAGE: tl.constexpr,
+    OUT_INDEX: tl.constexpr,
+    WRITE_WIDTH: tl.constexpr,
+    CHUNK_SIZE: tl.constexpr,
+    SUB: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    b = tl.program_id(0)
+    row_slot = tl.load(slot_ptr + b)
+    level = tl.load(level_ptr + b)
+    if (row_slot < 0) | (level < 0) | (level > STAGE):
+        return
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    n_cand, width = _stage_input(
+        row_slot, seq_len, counts_ptr, widths_ptr, stride_ns, sink_tokens, scan_window,
+        STAGE, CHUNK_SIZE,
+    )  # fmt: skip
+    _keep_top(
+        b, row_slot, seq_len, n_cand, width, scores_ptr, cand_ptr, counts_ptr, widths_ptr,
+        out_ptr, stride_sb, stride_cs, stride_cc, stride_ns, stride_os, stride_oc, sink_tokens,
+        keep, n_scores, STAGE, OUT_INDEX, WRITE_WIDTH, CHUNK_SIZE, SUB, SPLIT, BLOCK_C,
+    )  # fmt: skip
+
+
 # --------------------------------------------------------------------------- host side
+def _top_args(
+    scores: torch.Tensor, masks: DecodeMasks, params: ref.PruneParams, stage: int
+) -> tuple[torch.Tensor, torch.Tensor, int, dict]:
+    """Stage ``stage``'s top-k operands: its candidate list, where survivors go, how many
+    chunks it keeps, and the constexprs."""
+    st = params.stages[stage]
+    n = len(params.stages)
+    last = stage == n - 1
+    sub = st.chunk_size if last else params.stages[stage + 1].chunk_size
+    out = masks.final if last else masks.inputs[stage + 1]
+    cand = masks.inputs[stage] if stage > 0 else masks.counts  # placeholder at stage 0
+    meta = dict(STAGE=stage, OUT_INDEX=n if last else stage + 1, WRITE_WIDTH=not last,
+                CHUNK_SIZE=st.chunk_size, SUB=sub, SPLIT=st.chunk_size // sub,
+                BLOCK_C=triton.next_power_of_2(scores.shape[1]))  # fmt: skip
+    return cand, out, st.keep_tokens // st.chunk_size, meta
+
+
 def top_chunks(
     scores: torch.Tensor,
     rows: DecodeRows,
@@ -386,24 +484,17 @@ def top_chunks(
 ) -> None:
     """Stage ``stage``'s survivors into the next stage's input (or the final blocks) of every
     row taking part; resets ``scores`` of those rows to -inf."""
-    st = params.stages[stage]
-    n = len(params.stages)
-    last = stage == n - 1
-    sub = st.chunk_size if last else params.stages[stage + 1].chunk_size
-    out = masks.final if last else masks.inputs[stage + 1]
-    cand = masks.inputs[stage] if stage > 0 else masks.counts  # placeholder at stage 0
     batch = rows.slots.shape[0]
     if batch == 0:
         return
-    block_c = triton.next_power_of_2(scores.shape[1])
+    cand, out, keep, meta = _top_args(scores, masks, params, stage)
+    block_c = meta["BLOCK_C"]
     _top_chunks_kernel[(batch,)](
         scores, rows.seq_lens, rows.slots, rows.levels, cand, masks.counts, masks.widths, out,
         scores.stride(0), cand.stride(0), cand.stride(1), masks.counts.stride(0),
         out.stride(0), out.stride(1),
-        params.sink_tokens, params.scan_window, st.keep_tokens // st.chunk_size, scores.shape[1],
-        STAGE=stage, OUT_INDEX=n if last else stage + 1, WRITE_WIDTH=not last,
-        CHUNK_SIZE=st.chunk_size, SUB=sub, SPLIT=st.chunk_size // sub, BLOCK_C=block_c,
-        num_warps=4 if block_c <= 1024 else 8 if block_c <= 4096 else 16,
+        params.sink_tokens, params.scan_window, keep, scores.shape[1],
+        num_warps=4 if block_c <= 1024 else 8 if block_c <= 4096 else 16, **meta,
     )  # fmt: skip
 
 
@@ -470,12 +561,15 @@ def refresh_masks(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     reduce_scores: ref.ScoreReduce | None = None,
+    arrivals: torch.Tensor | None = None,
 ) -> None:
     """Rerun every stage at or after each row's refresh level, from its stored input (§1.6).
 
     ``q`` is ``[B, H_q, D]`` (the decode queries, unscaled, rotated at their true positions);
     ``scores[i]`` is stage ``i``'s scratch, ``[>= B, >= W_i]`` float32 at -inf (left so).
-    Launches ``2 * n_stages`` kernels whatever the levels; no host sync, graph-capturable once
+    Launches ``n_stages`` kernels whatever the levels (a stage wider than
+    :data:`FUSED_TOP_MAX_CHUNKS`, or every stage with ``reduce_scores``, adds its top-k
+    launch); no host sync, graph-capturable once
     the RoPE tables and ``placement`` are built (:meth:`QueryPlacement.build`). ``bank =
     (pages, table)``: keys are read through the host tier's GPU cache, as in
     :func:`triton_bsa.sparse_decode_attention` (the stages read K only). An fp8 cache needs
@@ -484,6 +578,8 @@ def refresh_masks(
     :func:`decode.refresh_masks_reference` with the same scales.
     ``reduce_scores``: as in :func:`reference.run_stages` (the stage's scores of all rows,
     combined in place before its top-k; a collective that CUDA graphs can capture).
+    ``arrivals``: int32 ``[>= B]`` at zero (left so), the fused top-k's per-row arrival
+    counters; a caller that captures graphs preallocates it.
     """
     batch, hq, d = q.shape
     if batch == 0:
@@ -510,9 +606,13 @@ def refresh_masks(
     block_d = max(16, triton.next_power_of_2(d))
     block_chunk = 32
     heads = 1  # query heads per program (see the module docstring)
+    if arrivals is None:
+        arrivals = torch.zeros(batch, dtype=torch.int32, device=q.device)
     for i, st in enumerate(params.stages):
         width = scores[i].shape[1]
-        cand = masks.inputs[i] if i > 0 else masks.counts
+        cand, out, keep, top_meta = _top_args(scores[i], masks, params, i)
+        # tp_mask "global" combines every rank's scores between SelectRep and the top-k
+        fuse = reduce_scores is None and top_meta["BLOCK_C"] <= FUSED_TOP_MAX_CHUNKS
         _decode_select_kernel[(batch, triton.cdiv(width, block_chunk), hq // heads)](
             q_left, q_left if q_right is None else q_right, kv_cache, rows.block_table,
             rows.seq_lens, rows.slots, rows.levels, cand, masks.counts, masks.widths, scores[i],
@@ -520,12 +620,15 @@ def refresh_masks(
             params.sink_tokens, params.scan_window,
             *q_left.stride(), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
             kv_cache.stride(4), *rows.block_table.stride(), cand.stride(0), cand.stride(1),
-            masks.counts.stride(0), scores[i].stride(0),
-            STAGE=i, GROUP=hq // hkv, HEADS=heads, PAGE_SIZE=page_size, CHUNK_SIZE=st.chunk_size,
+            masks.counts.stride(0), scores[i].stride(0), arrivals, out, out.stride(0),
+            out.stride(1), keep, width,
+            GROUP=hq // hkv, HEADS=heads, PAGE_SIZE=page_size,
             N_ITERS=ref.bisect_steps(st.chunk_size), MIDPOINT=params.probe == "midpoint",
             LO_BITS=LO_BITS, BLOCK_CHUNK=block_chunk, BLOCK_D=block_d, HAS_BANK=bank is not None,
-            KV_FP8=kv_fp8, num_warps=4, **rope_meta,
+            KV_FP8=kv_fp8, FUSE_TOP=fuse, num_warps=4, **rope_meta, **top_meta,
         )  # fmt: skip
-        if reduce_scores is not None:  # tp_mask "global": every rank's heads, before the top-k
+        if fuse:
+            continue
+        if reduce_scores is not None:
             scores[i][:batch].copy_(reduce_scores(scores[i][:batch]))
         top_chunks(scores[i], rows, masks, params, i)

@@ -121,20 +121,30 @@ def assert_masks_equal(got: dec.DecodeMasks, want: dec.DecodeMasks, slots: list[
 ROPE_STYLES = [None, "relative", "chunk-indexed"]
 
 
-@pytest.mark.parametrize("rope_style", ROPE_STYLES)
-def test_batched_cascade_equals_reference_at_mixed_levels(rope_style):
+# Stage 0's scores here are 94 wide (128 as a power of two): a fused-top-k limit of 2048 ranks
+# every stage inside its SelectRep launch, 64 leaves stage 0 its own top-k launch, 0 every stage.
+@pytest.mark.parametrize(
+    ("rope_style", "fused_top_max"),
+    [(style, 2048) for style in ROPE_STYLES] + [(None, 64), ("relative", 0)],
+)
+def test_batched_cascade_equals_reference_at_mixed_levels(rope_style, fused_top_max, monkeypatch):
+    monkeypatch.setattr(td, "FUSED_TOP_MAX_CHUNKS", fused_top_max)
     gen = torch.Generator().manual_seed(7 + len(str(rope_style)))
     hq, hkv, d, page = 4, 2, 32, 16
     rope = rope_plan(rope_style, d)
     params = small_params(rope)
-    seq_lens = [1500, 2900, 700, 5000, 40]  # the last row is dense (no slot)
+    # the fifth row is dense (no slot); the sixth has a slot but is too short for any stage-0
+    # chunk to be a candidate (nothing to score: its top-k still runs, and keeps nothing)
+    seq_lens = [1500, 2900, 700, 5000, 40, 70]
     cache, table, q = batch(seq_lens, hq, hkv, d, page, gen)
     scale = d**-0.5
-    slots = [3, 0, 2, 1, -1]
+    slots = [3, 0, 2, 1, -1, 4]
     max_len = 6000
-    want = dec.DecodeMasks.allocate(params, 64, 4, torch.device("cpu"))
-    got = dec.DecodeMasks.allocate(params, 64, 4, torch.device(DEVICE))
+    want = dec.DecodeMasks.allocate(params, 64, 5, torch.device("cpu"))
+    got = dec.DecodeMasks.allocate(params, 64, 5, torch.device(DEVICE))
+    got.counts[4] = 99  # what the kernels must overwrite
     scores = dec.allocate_scores(dec.stage_widths(params, max_len), 8, torch.device(DEVICE))
+    arrivals = torch.zeros(8, dtype=torch.int32, device=DEVICE)
     placement = None
     if rope is not None:
         placement = td.QueryPlacement.build(rope_style, rope.table, params.scan_window,
@@ -142,16 +152,18 @@ def test_batched_cascade_equals_reference_at_mixed_levels(rope_style):
 
     # step 0: every row refreshes fully; then the same rows at levels 1, 2 and reuse, each
     # resuming from what the first step stored (the queries move on to other vectors)
-    for levels in ([0, 0, 0, 0, -1], [1, 2, 3, 0, -1], [2, 1, 1, 3, -1]):
+    for levels in ([0, 0, 0, 0, -1, 0], [1, 2, 3, 0, -1, 1], [2, 1, 1, 3, -1, 0]):
         rows_cpu = rows_on("cpu", table, seq_lens, slots, levels)
         dec.refresh_masks_reference(params, want, q, cache, rows_cpu, scale)
         td.refresh_masks(params, got, q.to(DEVICE), cache.to(DEVICE),
                          rows_on(DEVICE, table, seq_lens, slots, levels), scale, scores,
-                         placement)  # fmt: skip
+                         placement, arrivals=arrivals)  # fmt: skip
         assert_masks_equal(got, want, [s for s in slots if s >= 0])
-        for s in scores:  # the top-k kernel left its scratch as it found it
+        for s in scores:  # the top-k left its scratch as it found it
             assert torch.isneginf(s).all()
+        assert not arrivals.any()  # and the arrival counters
         q = torch.randn(q.shape, generator=gen)
+    assert int(want.counts[4, 1:].sum()) == 0
     # the long rows were really pruned: fewer final blocks than their context holds
     assert int(want.counts[1, -1]) == 64 // 8 and int(want.counts[2, -1]) == 64 // 8
 

@@ -260,7 +260,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         }
         any_params = next(iter(params.values()))
         scores = dec.allocate_scores(dec.stage_widths(any_params, max_len), max_rows, device)
-        workspace = None
+        workspace = arrivals = None
         if device.type == "cuda":
             from vllm_infinitehip.kernels.triton_bsa import decode_workspace_floats
 
@@ -272,9 +272,10 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
                 model.get_head_size(), max_keys, rope=True,
             )  # fmt: skip
             workspace = torch.empty(n, dtype=torch.float32, device=device)
+            arrivals = torch.zeros(max_rows, dtype=torch.int32, device=device)
         self.plan = StepPlan(
             DecodeSlots(max_rows, self.config.refresh_intervals, device), masks,
-            DecodeScratch(scores, workspace),
+            DecodeScratch(scores, workspace, arrivals),
             prefill_threshold(self.config, device, extension, trained,
                               kv_fp8=is_fp8_kv(vllm_config.cache_config.cache_dtype)),
         )  # fmt: skip
