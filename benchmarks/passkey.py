@@ -7,9 +7,12 @@ the default backend gets the same rotary cache through ``hf_overrides``, and is 
 past the trained length). Writes, under ``--out``:
 
 - ``passkey-<cpu|gpu>-<date>.json``: rows ``{model, trained_context, context, depth, backend,
-  config, ops, accuracy, n}`` (``config``: the infinitehip settings of that engine, ``--infinitehip``
-  takes several to compare; ``ops``: which execution path served it), a PNG heatmap per backend
-  (length x depth) beside it, and a printed table;
+  config, ops, accuracy, n, generate_s, generate_s_vs_default}`` (``config``: the infinitehip
+  settings of that engine, ``--infinitehip`` takes several to compare; ``ops``: which execution
+  path served it; ``generate_s``: the mean wall time of one prompt's ``generate``, 8 tokens, and
+  its ratio to the default backend's on the same prompts; with recall on it includes the
+  recall's dense reference, so time with ``--no-recall``), a PNG heatmap per backend (length x
+  depth) beside it, and a printed table;
 - ``recall-<cpu|gpu>-<date>.json``: attention-mass recall on the real model's Q/K, of the final
   prompt query and of the decode queries, rows ``{model, trained_context, config, ops, context,
   depth, query, layer, seq_len, steps, recall, recall_min_head}`` (share of the dense softmax mass
@@ -66,7 +69,7 @@ class Results:
         self.paths = {n: out / f"{n}-{device}-{self.date}.json"
                       for n in ("passkey", "recall", "ops-compare")}
         self.gpu, self.model, self.trained = gpu, model, trained
-        self.hits: dict[tuple[str, str, str, int, float], list[bool]] = {}
+        self.hits: dict[tuple[str, str, str, int, float], list[tuple[bool, float]]] = {}
         self.recall: list[dict] = []
         self.compare: list[dict] = []
         out.mkdir(parents=True, exist_ok=True)
@@ -83,8 +86,8 @@ class Results:
                 self.kept_command[name] = old["command"] + "; "
 
     def add(self, backend: str, config: str, ops: str, context: int, depth: float,
-            correct: bool, recall: list[dict], compare: list[dict]):
-        self.hits.setdefault((backend, config, ops, context, depth), []).append(correct)
+            correct: bool, seconds: float, recall: list[dict], compare: list[dict]):
+        self.hits.setdefault((backend, config, ops, context, depth), []).append((correct, seconds))
         base = {"model": self.model, "trained_context": self.trained, "config": config,
                 "ops": ops, "context": context, "depth": depth}
         self.recall.extend({**base, **r} for r in per_layer(recall))
@@ -92,9 +95,17 @@ class Results:
         self.write()
 
     def passkey_rows(self) -> list[dict]:
-        return [{"model": self.model, "trained_context": self.trained, "context": n, "depth": d,
-                 "backend": b, "config": c, "ops": o, "accuracy": sum(h) / len(h), "n": len(h)}
-                for (b, c, o, n, d), h in sorted(self.hits.items())]
+        rows = [{"model": self.model, "trained_context": self.trained, "context": n, "depth": d,
+                 "backend": b, "config": c, "ops": o,
+                 "accuracy": sum(ok for ok, _ in h) / len(h), "n": len(h),
+                 "generate_s": sum(t for _, t in h) / len(h)}
+                for (b, c, o, n, d), h in sorted(self.hits.items())]  # fmt: skip
+        default = {(r["context"], r["depth"]): r["generate_s"] for r in rows
+                   if r["backend"] == "default"}  # fmt: skip
+        for r in rows:
+            base = default.get((r["context"], r["depth"]))
+            r["generate_s_vs_default"] = None if base is None else r["generate_s"] / base
+        return rows
 
     def write(self) -> None:
         command = "python " + " ".join(sys.argv)
@@ -128,7 +139,7 @@ def dump_rows(head: dict, rows: list[dict]) -> str:
 
 
 def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip: dict,
-                results: Results, deadline: float, ops: str) -> None:
+                results: Results, deadline: float, ops: str, log_recall: bool = True) -> None:
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
@@ -144,11 +155,14 @@ def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip:
         if time.monotonic() > deadline:
             print(f"time budget spent: {name} stops before {context}/{depth}")
             break
-        if name == "infinitehip":
+        recording = name == "infinitehip" and log_recall
+        if recording:
             llm.collective_rpc("infinitehip_recall")  # on, and forget earlier prompts
+        t0 = time.perf_counter()
         out = llm.generate([prompt.text], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
         recall = []
-        if name == "infinitehip":
+        if recording:
             # the prompt's final query (in its last prefill chunk) and the decode steps
             recall = [r for r in llm.collective_rpc("infinitehip_recall", kwargs={"enable": False})[0]
                       if r["query"] == "decode" or r["seq_len"] == prompt.num_tokens]
@@ -159,8 +173,8 @@ def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip:
         if comparing is not None:
             compared, comparing.rows = comparing.rows, []
             print_comparison(compared, f"{context}/{depth}")
-        results.add(name, config, path, context, depth, prompt.is_correct(answer), recall,
-                    compared)
+        results.add(name, config, path, context, depth, prompt.is_correct(answer), seconds,
+                    recall, compared)
     del llm
     gc.collect()
 
@@ -232,6 +246,8 @@ def main() -> int:
                         "the PyTorch reference, or both compared call by call (compare_ops.py)")
     parser.add_argument("--time-budget", type=float, default=float("inf"),
                         help="seconds; prompts not started by then are skipped")
+    parser.add_argument("--no-recall", dest="recall", action="store_false",
+                        help="skip the recall logging (its dense reference costs time): for timing")
     args = parser.parse_args()
     deadline = time.monotonic() + args.time_budget
 
@@ -258,7 +274,7 @@ def main() -> int:
     for backend in args.backends:
         for hip in args.infinitehip if backend == "infinitehip" else ["{}"]:
             run_backend(model, backend, cells, max_len, device, json.loads(hip), results,
-                        deadline, args.ops)
+                        deadline, args.ops, args.recall)
     print_tables(results, sorted(args.lengths), args.depths)
     from plot import plot_passkey, plot_recall  # benchmarks/plot.py, beside this file
 

@@ -36,6 +36,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # tests/conftest.py's small settings: a few-thousand-token prompt prunes for real
 SMALL_HIP = {
     "sink_tokens": 32, "window_tokens": 256, "dense_threshold": 1024, "dense_layers": [],
+    "prefill_dense_threshold": None,
     "stages": [
         {"chunk_size": 64, "keep_tokens": 1024, "block_size_q": 32, "query_stride": 4},
         {"chunk_size": 16, "keep_tokens": 512, "block_size_q": 32, "query_stride": 4},

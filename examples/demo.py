@@ -37,7 +37,11 @@ def main() -> int:
     llm = LLM(
         str(model),
         attention_backend="infinitehip",
-        additional_config={"infinitehip": {"preset": args.preset}},
+        # Below 16K tokens the CPU's "auto" rule would prefill densely (the reference's sparse
+        # prefill is the slower one there: benchmarks/prefill_crossover.py); the demo shows the
+        # sparse path, so only the dense threshold applies.
+        additional_config={"infinitehip": {"preset": args.preset,
+                                           "prefill_dense_threshold": None}},
         max_model_len=8192,
         dtype="float32",
         enforce_eager=True,

@@ -10,11 +10,14 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import pytest
 
-# Small enough that a few-thousand-token prompt runs the sparse path with real pruning.
+# Small enough that a few-thousand-token prompt runs the sparse path with real pruning. The
+# "auto" prefill threshold would prefill such prompts densely on the CPU (dense is cheaper there
+# up to 16K); these tests are about the sparse path, so only the dense threshold applies.
 SMALL_HIP = {
     "sink_tokens": 32,
     "window_tokens": 256,
     "dense_threshold": 1024,
+    "prefill_dense_threshold": None,
     "dense_layers": [],
     "stages": [
         {"chunk_size": 64, "keep_tokens": 1024, "block_size_q": 32, "query_stride": 4},

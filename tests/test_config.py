@@ -88,21 +88,24 @@ def test_tail_window_fills_the_trained_length_with_the_final_budget():
 
 
 def test_prefill_dense_threshold_rule():
-    from vllm_infinitehip.config import DENSE_PREFILL_CROSSOVER
+    from vllm_infinitehip.config import CPU_DENSE_PREFILL_CROSSOVER, DENSE_PREFILL_CROSSOVER
 
     auto = InfiniteHiPConfig.from_user({})
     base = auto.effective_dense_threshold
-    assert auto.prefill_threshold(on_gpu=True, rope_extension=False, trained_context=8192) == (
-        DENSE_PREFILL_CROSSOVER
-    )
+    gpu, cpu = DENSE_PREFILL_CROSSOVER, CPU_DENSE_PREFILL_CROSSOVER
+    assert auto.prefill_threshold(gpu, rope_extension=False, trained_context=8192) == gpu
     # dense attention sees true positions: only inside the trained length with extension on
-    assert auto.prefill_threshold(True, True, 8192) == 8192
-    assert auto.prefill_threshold(True, True, 1 << 20) == DENSE_PREFILL_CROSSOVER
-    assert auto.prefill_threshold(False, False, 8192) == base  # no FlashAttention: never cheaper
+    assert auto.prefill_threshold(gpu, True, 8192) == 8192
+    assert auto.prefill_threshold(gpu, True, 1 << 20) == gpu
+    assert auto.prefill_threshold(cpu, False, 8192) == cpu
+    assert auto.prefill_threshold(cpu, True, 8192) == 8192
+    assert auto.prefill_threshold(None, False, 8192) == base  # dense never the cheaper one
+    # a threshold below the dense one never makes short contexts sparse
+    assert auto.prefill_threshold(cpu, True, 1024) == base
     off = InfiniteHiPConfig.from_user({"prefill_dense_threshold": None})
-    assert off.prefill_threshold(True, False, 8192) == base
+    assert off.prefill_threshold(gpu, False, 8192) == base
     fixed = InfiniteHiPConfig.from_user({"prefill_dense_threshold": 50000})
-    assert fixed.prefill_threshold(False, True, 8192) == 50000
+    assert fixed.prefill_threshold(None, True, 8192) == 50000
     with pytest.raises(ValueError, match=r"infinitehip\.prefill_dense_threshold"):
         InfiniteHiPConfig.from_user({"prefill_dense_threshold": "big"})
     with pytest.raises(ValueError, match=r"infinitehip\.scoring_precision"):

@@ -58,20 +58,24 @@ def test_a_run_replaces_only_the_rows_it_produces(tmp_path):
 
     default, hip = ("default", "", ""), ("infinitehip", "{}", "pytorch")
     first = results({default, hip})
-    first.add("default", "", "", 16384, 0.5, False, [], [])
-    first.add("infinitehip", "{}", "pytorch", 16384, 0.5, True, [], [])
+    first.add("default", "", "", 16384, 0.5, False, 10.0, [], [])
+    first.add("infinitehip", "{}", "pytorch", 16384, 0.5, True, 15.0, [], [])
+    saved = json.loads(first.paths["passkey"].read_text())["rows"]
+    hip_row = next(r for r in saved if r["backend"] == "infinitehip")
+    # each prompt's generate time, and its ratio to the default backend's on the same cell
+    assert hip_row["generate_s"] == 15.0 and hip_row["generate_s_vs_default"] == 1.5
     # another model, then another setting of the same model: both keep the first rows
     other = harness.Results(tmp_path, "cpu", "cpu", "qwen2.5-coder-0.5b", 32768, {hip})
-    other.add("infinitehip", "{}", "pytorch", 65536, 0.5, True, [], [])
+    other.add("infinitehip", "{}", "pytorch", 65536, 0.5, True, 1.0, [], [])
     five_k = results({("infinitehip", '{"preset": "5k"}', "pytorch")})
-    five_k.add("infinitehip", '{"preset": "5k"}', "pytorch", 16384, 0.5, True, [], [])
+    five_k.add("infinitehip", '{"preset": "5k"}', "pytorch", 16384, 0.5, True, 1.0, [], [])
     path = first.paths["passkey"]
     saved = json.loads(path.read_text())
     assert len(saved["rows"]) == 4
     assert saved["command"].count("; ") == 2  # every run's command is kept
     # a rerun of the default settings replaces their rows, and only theirs
     again = results({hip})
-    again.add("infinitehip", "{}", "pytorch", 32768, 0.1, False, [], [])
+    again.add("infinitehip", "{}", "pytorch", 32768, 0.1, False, 1.0, [], [])
     rows = json.loads(path.read_text())["rows"]
     mine = [(r["model"], r["config"], r["context"]) for r in rows if r["backend"] == "infinitehip"]
     assert ("smollm2-135m", "{}", 16384) not in mine

@@ -72,7 +72,8 @@ def server(tiny_model, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    cfg = {"dense_threshold": 512, "sink_tokens": 32, "window_tokens": 256, "dense_layers": [],
+    cfg = {"dense_threshold": 512, "prefill_dense_threshold": None, "sink_tokens": 32,
+           "window_tokens": 256, "dense_layers": [],
            "stages": [{"chunk_size": 64, "keep_tokens": 1024, "block_size_q": 32},
                       {"chunk_size": 16, "keep_tokens": 512, "block_size_q": 32},
                       {"chunk_size": 8, "keep_tokens": 256, "block_size_q": 32}]}

@@ -182,6 +182,7 @@ def test_full_budget_sparse_equals_dense_in_vllm(tiny_model, tmp_path):
     """With a budget covering the whole context, the sparse path must reproduce dense greedy text."""
     full = {
         "sink_tokens": 32, "window_tokens": 256, "dense_threshold": 64, "dense_layers": [],
+        "prefill_dense_threshold": None,
         "stages": [{"chunk_size": 64, "keep_tokens": 8192, "block_size_q": 32, "query_stride": 4},
                    {"chunk_size": 16, "keep_tokens": 8192, "block_size_q": 32, "query_stride": 4},
                    {"chunk_size": 8, "keep_tokens": 8192, "block_size_q": 32, "query_stride": 1}],

@@ -42,7 +42,11 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_infinitehip.block_manager import tier as host_tier
 from vllm_infinitehip.block_manager.bank import Bank, PrefillStaging, decode_read_pages
-from vllm_infinitehip.config import InfiniteHiPConfig
+from vllm_infinitehip.config import (
+    CPU_DENSE_PREFILL_CROSSOVER,
+    DENSE_PREFILL_CROSSOVER,
+    InfiniteHiPConfig,
+)
 from vllm_infinitehip.kernels import decode as dec
 from vllm_infinitehip.kernels import reference as ref
 from vllm_infinitehip.kernels.ops import AttentionOps, DecodeScratch, RequestKV, ops_for
@@ -85,15 +89,18 @@ def prefill_threshold(
     config: InfiniteHiPConfig, device: torch.device, extension: bool, trained: int,
     kv_fp8: bool = False,
 ) -> int:  # fmt: skip
-    """Longest context prefilled densely: the config's rule on a GPU where vLLM's FlashAttention
-    reads our cache layout (fp8 caches: its fp8 path; checked once, before any graph capture),
-    else the dense threshold (a gather and SDPA is never cheaper than sparse prefill)."""
-    on_gpu = device.type == "cuda"
-    if on_gpu:
-        from vllm_infinitehip.kernels.ops import flash_attention_works
+    """Longest context prefilled densely, by the config's rule and the device's crossover: on a
+    GPU where vLLM's FlashAttention reads our cache layout (fp8 caches: its fp8 path; checked
+    once, before any graph capture) :data:`config.DENSE_PREFILL_CROSSOVER`; on a GPU without it
+    none (a gather and SDPA there is never cheaper than the sparse kernels); on the CPU, where
+    the reference's sparse prefill costs more than SDPA up to 16K,
+    :data:`config.CPU_DENSE_PREFILL_CROSSOVER`."""
+    if device.type != "cuda":
+        return config.prefill_threshold(CPU_DENSE_PREFILL_CROSSOVER, extension, trained)
+    from vllm_infinitehip.kernels.ops import flash_attention_works
 
-        on_gpu = flash_attention_works(device, kv_fp8)
-    return config.prefill_threshold(on_gpu, extension, trained)
+    crossover = DENSE_PREFILL_CROSSOVER if flash_attention_works(device, kv_fp8) else None
+    return config.prefill_threshold(crossover, extension, trained)
 
 
 def is_fp8_kv(cache_dtype: str) -> bool:

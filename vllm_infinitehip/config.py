@@ -65,6 +65,11 @@ TP_MASK_MODES = ("per-rank", "global")
 # H200, 2026-11-30 (README kernel table): one 32K-query prefill chunk of a Llama-3-8B layer took
 # 105 ms sparse and 105 ms with vLLM's FA3 at 128K context, 64 vs 14 ms at 32K.
 DENSE_PREFILL_CROSSOVER = 131072
+# 2 CPU cores, SmolLM2-135M shapes, one 8K-query chunk of all 30 layers through the PyTorch
+# reference (benchmarks/prefill_crossover.py, 2026-12-02): dense was 5.5x (RoPE extension on) and
+# 4.1x (off) cheaper than sparse at 8K, 1.3x at 16K; at 32K sparse was 1.3x cheaper with
+# extension on and even with it off, 2.3x and 1.4x at 64K.
+CPU_DENSE_PREFILL_CROSSOVER = 16384
 
 
 @dataclass(frozen=True)
@@ -117,10 +122,11 @@ class InfiniteHiPConfig:
       default, as in the authors' code: on SmolLM2 passkeys past the trained length neither was
       better consistently (the block's question tokens help find the needle, filler hurts).
     - ``prefill_dense_threshold``: prefill chunks whose context is at most this many tokens run
-      exact dense attention. ``"auto"``: on a GPU, ``DENSE_PREFILL_CROSSOVER`` (128K, where
-      vLLM's FlashAttention over the paged cache stops being cheaper than the sparse prefill)
-      capped at the trained length when RoPE extension is on; elsewhere, and at least,
-      ``dense_threshold``. ``null``: ``dense_threshold``.
+      exact dense attention. ``"auto"``: where dense stops being the cheaper one, capped at the
+      trained length when RoPE extension is on: on a GPU ``DENSE_PREFILL_CROSSOVER`` (128K,
+      vLLM's FlashAttention over the paged cache against the sparse kernels), on the CPU
+      ``CPU_DENSE_PREFILL_CROSSOVER`` (16K, SDPA against the PyTorch reference); on a GPU
+      without FlashAttention, and at least, ``dense_threshold``. ``null``: ``dense_threshold``.
     - ``scoring_precision``: how the GPU prefill's pruning stages multiply q.k: ``"tf32"`` (one
       tensor-core pass, default) or ``"fp32"`` (three passes, fp32-accurate). Decode scoring is
       always exact fp32 (one query per row).
@@ -167,16 +173,21 @@ class InfiniteHiPConfig:
             return self.dense_threshold
         return self.sink_tokens + self.window_tokens + self.final_keep_tokens
 
-    def prefill_threshold(self, on_gpu: bool, rope_extension: bool, trained_context: int) -> int:
-        """Longest context whose prefill chunks run dense (see ``prefill_dense_threshold``)."""
+    def prefill_threshold(
+        self, dense_crossover: int | None, rope_extension: bool, trained_context: int
+    ) -> int:
+        """Longest context whose prefill chunks run dense (see ``prefill_dense_threshold``).
+        ``dense_crossover``: the context up to which dense prefill is the cheaper one on this
+        device (:data:`DENSE_PREFILL_CROSSOVER` on a GPU with vLLM's FlashAttention,
+        :data:`CPU_DENSE_PREFILL_CROSSOVER` on the CPU); None where it never is."""
         base = self.effective_dense_threshold
         v = self.prefill_dense_threshold
         if v is None:
             return base
         if v == "auto":
-            if not on_gpu:
+            if dense_crossover is None:
                 return base
-            auto = DENSE_PREFILL_CROSSOVER
+            auto = dense_crossover
             if rope_extension:  # dense attention sees true positions: only inside the trained length
                 auto = min(auto, trained_context)
             return max(base, auto)
