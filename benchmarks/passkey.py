@@ -17,7 +17,10 @@ past the trained length). Writes, under ``--out``:
   prompt query and of the decode queries, rows ``{model, trained_context, config, ops, context,
   depth, query, layer, seq_len, steps, recall, recall_min_head}`` (share of the dense softmax mass
   on the keys infinitehip attended; mean over heads and over a prompt's decode steps, and the
-  worst head of any step), and a per-layer plot.
+  worst head of any step), and a per-layer plot. With RoPE extension on, ``recall_remapped``
+  and ``recall_remapped_min_head`` are the same against dense attention under the layer's
+  position remapping (``reference.remapped_attention_recall``): what the selection missed, where
+  the true-position reference sees distances the model never saw.
 
 - with ``--ops compare``, ``ops-compare-<cpu|gpu>-<date>.json``: the Triton path against the
   PyTorch reference on every call of the run (benchmarks/compare_ops.py).
@@ -124,10 +127,16 @@ def per_layer(recall: list[dict]) -> list[dict]:
     groups: dict[tuple[str, int], list[dict]] = {}
     for r in recall:
         groups.setdefault((r["query"], r["layer"]), []).append(r)
-    return [{"query": query, "layer": layer, "seq_len": rs[0]["seq_len"], "steps": len(rs),
-             "recall": sum(r["recall"] for r in rs) / len(rs),
-             "recall_min_head": min(r["recall_min_head"] for r in rs)}
-            for (query, layer), rs in groups.items()]
+    rows = []
+    for (query, layer), rs in groups.items():
+        row = {"query": query, "layer": layer, "seq_len": rs[0]["seq_len"], "steps": len(rs),
+               "recall": sum(r["recall"] for r in rs) / len(rs),
+               "recall_min_head": min(r["recall_min_head"] for r in rs)}  # fmt: skip
+        if "recall_remapped" in rs[0]:  # RoPE extension on: under the layer's remapping too
+            row["recall_remapped"] = sum(r["recall_remapped"] for r in rs) / len(rs)
+            row["recall_remapped_min_head"] = min(r["recall_remapped_min_head"] for r in rs)
+        rows.append(row)
+    return rows
 
 
 def dump_rows(head: dict, rows: list[dict]) -> str:
@@ -212,23 +221,25 @@ def print_tables(results: Results, lengths: list[int], depths: list[float]) -> N
     if results.recall:
         # the first settings' recall (the default settings unless told otherwise)
         first = results.recall[0]["config"]
-        print(f"\n{'query':<13} {'context':>8} {'mean recall':>12} {'worst layer':>12} "
-              f"{'worst head':>11}")
+        print(f"\n{'query':<13} {'recall':<9} {'context':>8} {'mean recall':>12} "
+              f"{'worst layer':>12} {'worst head':>11}")
         for query in ("final-prompt", "decode"):
-            for n in lengths:
-                rs = [r for r in results.recall
-                      if r["context"] == n and r["config"] == first and r["query"] == query]
-                if not rs:
-                    continue
-                by_layer: dict[int, list[float]] = {}
-                for r in rs:
-                    by_layer.setdefault(r["layer"], []).append(r["recall"])
-                layer_means = {k: sum(v) / len(v) for k, v in by_layer.items()}
-                worst = min(layer_means, key=layer_means.get)
-                mean = sum(layer_means.values()) / len(layer_means)
-                print(f"{query:<13} {n:>8} {mean:>12.3f} "
-                      f"{f'L{worst} {layer_means[worst]:.3f}':>12} "
-                      f"{min(r['recall_min_head'] for r in rs):>11.3f}")
+            # true positions, then (RoPE extension on) under the layer's remapping
+            for key, label in (("recall", "true pos"), ("recall_remapped", "remapped")):
+                for n in lengths:
+                    rs = [r for r in results.recall if r["context"] == n and key in r
+                          and r["config"] == first and r["query"] == query]  # fmt: skip
+                    if not rs:
+                        continue
+                    by_layer: dict[int, list[float]] = {}
+                    for r in rs:
+                        by_layer.setdefault(r["layer"], []).append(r[key])
+                    layer_means = {k: sum(v) / len(v) for k, v in by_layer.items()}
+                    worst = min(layer_means, key=layer_means.get)
+                    mean = sum(layer_means.values()) / len(layer_means)
+                    print(f"{query:<13} {label:<9} {n:>8} {mean:>12.3f} "
+                          f"{f'L{worst} {layer_means[worst]:.3f}':>12} "
+                          f"{min(r[key + '_min_head'] for r in rs):>11.3f}")
 
 
 def main() -> int:

@@ -101,7 +101,8 @@ def plot_passkey(result: dict, out: Path) -> None:
 
 def plot_recall(result: dict, out: Path) -> None:
     """Attention-mass recall by layer, a panel per model, one line per context length and query
-    kind (mean over prompts): solid for the final prompt query, dashed for decode queries."""
+    kind (mean over prompts): solid for the final prompt query, dashed for decode queries; where
+    the rows have it, the recall under the layer's remapping in the same colour, paler."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -115,14 +116,21 @@ def plot_recall(result: dict, out: Path) -> None:
         rows = [r for r in mine if (r.get("config"), r.get("ops")) == first]
         for query, style in (("final-prompt", "-"), ("decode", "--")):
             for n in sorted({r["context"] for r in rows}):
-                by_layer: dict[int, list[float]] = {}
-                for r in rows:
-                    if r["context"] == n and r.get("query", "final-prompt") == query:
-                        by_layer.setdefault(r["layer"], []).append(r["recall"])
-                layers = sorted(by_layer)
-                if layers:
-                    ax.plot(layers, [sum(by_layer[k]) / len(by_layer[k]) for k in layers],
-                            style, marker="o", markersize=3, label=f"{n // 1024}K {query}")
+                line = None
+                kinds = (("recall", "", 1.0), ("recall_remapped", ", remapped", 0.45))
+                for key, tag, alpha in kinds:
+                    by_layer: dict[int, list[float]] = {}
+                    for r in rows:
+                        if (r["context"], r.get("query", "final-prompt")) == (n, query) and key in r:
+                            by_layer.setdefault(r["layer"], []).append(r[key])
+                    layers = sorted(by_layer)
+                    if layers:
+                        line = ax.plot(
+                            layers, [sum(by_layer[k]) / len(by_layer[k]) for k in layers], style,
+                            marker="o", markersize=3, alpha=alpha,
+                            label=f"{n // 1024}K {query}{tag}",
+                            color=None if line is None else line[0].get_color(),
+                        )  # fmt: skip
         path = f", {first[1]} path" if first[1] else ""
         ax.set(xlabel="layer", ylabel="attention-mass recall", ylim=(0, 1.02),
                title=f"{model}{path}, {result['gpu']}, {result['date']}")

@@ -671,6 +671,58 @@ def attention_recall(
     return (probs * mask.unsqueeze(1)).sum(-1)
 
 
+def remapped_attention_recall(
+    params: PruneParams,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_positions: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`attention_recall` against dense attention under the layer's position remapping.
+
+    Past the trained length the true-position reference sees distances the model never saw.
+    Here the keys of each query's window ``(p - n_stream, p]`` keep their true positions, and
+    every other key is placed as the layer's pruning style places it (§2): ``relative``, at
+    distance ``sw' + 1`` from the query (its content alone decides, as for a left-branch probe);
+    ``chunk-indexed``, at the ordinal of its stage-0 chunk (sink keys at 0) with the query at
+    ``min(p, C + sw')``. So the number says what the selection missed of what it was ranking.
+    Without a remapping it is :func:`attention_recall`. ``[Nq, H_q]``; meant for the few
+    queries the recall log follows (one pass over the keys per query).
+    """
+    rope = params.rope
+    if rope is None or rope.pruning == "none":
+        return attention_recall(q, k, q_positions, mask, scale)
+    table = rope.table
+    nq, hq, d = q.shape
+    t_len, hkv = k.shape[0], k.shape[1]
+    t = torch.arange(t_len, device=k.device)
+    k0 = rotate(k.float(), -t, table)  # every key back at position 0
+    sw = params.scan_window
+    out = torch.empty(nq, hq, device=q.device)
+    for i in range(nq):
+        p = int(q_positions[i])
+        qi = q[i : i + 1].float()
+        q0 = rotate(qi, -p, table)
+        if rope.pruning == "relative":
+            far_q, far_k = rotate(q0, sw + 1, table), k0
+        else:  # chunk-indexed: only the gap matters, so the keys turn and the query stays at 0
+            l0 = params.stages[0].chunk_size
+            n_chunks = max(1, math.ceil((p + 1 - params.sink_tokens) / l0))
+            ordinal = torch.clamp(t - params.sink_tokens, min=0) // l0
+            far_q, far_k = q0, rotate(k0, ordinal - min(p, n_chunks + sw), table)
+        window = t > p - params.window_tokens
+
+        def scores(qq: torch.Tensor, kk: torch.Tensor) -> torch.Tensor:
+            qg = qq.view(hkv, hq // hkv, d) * scale
+            return torch.einsum("hgd,thd->hgt", qg, kk).reshape(hq, t_len)
+
+        s = torch.where(window, scores(qi, k.float()), scores(far_q, far_k))
+        probs = s.masked_fill(t > p, NEG_INF).softmax(dim=-1)
+        out[i] = (probs * mask[i]).sum(-1)
+    return out
+
+
 def sparse_attention(
     params: PruneParams,
     q: torch.Tensor,

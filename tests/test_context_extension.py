@@ -42,7 +42,8 @@ def test_serving_past_the_trained_length_runs_remapped(short_trained_model, tmp_
               "additional_config": {"infinitehip": hip}}
     prompt = "tale " + " ".join(f"w{i % 89}" for i in range(1400)) + " and then"
     short = "tale " + " ".join(f"w{i % 89}" for i in range(120)) + " and then"  # < dense_threshold
-    spec = {"engine": engine, "prompts": [prompt, short], "max_tokens": 8, "report": True}
+    spec = {"engine": engine, "prompts": [prompt, short], "max_tokens": 8, "report": True,
+            "recall": True}
     out = generate_in_subprocess(short_trained_model, "infinitehip", spec, tmp_path, "hip")
     assert len(out["tokens"][0]) == 8
     # With the remapping on, a prompt under the dense threshold is still exact dense attention at
@@ -59,6 +60,11 @@ def test_serving_past_the_trained_length_runs_remapped(short_trained_model, tmp_
     assert report["trained_context"] == TRAINED
     stats = report["stats"]
     assert stats["sparse_prefill_queries"] > 0 and stats["sparse_decode_queries"] > 0
+    # the recall log, past the trained length, also measures against the remapped positions
+    recall = report["recall"]
+    assert {r["query"] for r in recall} == {"final-prompt", "decode"}
+    assert all(0.0 <= r["recall_remapped_min_head"] <= r["recall_remapped"] <= 1.0 + 1e-6
+               for r in recall)  # fmt: skip
 
 
 def test_unsupported_rope_type_names_the_flag(tmp_path, short_trained_model):

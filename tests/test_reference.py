@@ -1,5 +1,7 @@
 """The PyTorch reference against dense attention and against hand-checked cases."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -207,6 +209,53 @@ def test_attention_recall_is_the_dense_mass_on_the_mask():
     late = torch.zeros(3, t, dtype=torch.bool)
     late[:, 45:] = True
     assert got.new_zeros(hq).allclose(ref.attention_recall(q, k, pos, late, 0.25)[0])
+
+
+@pytest.mark.parametrize("style", ["relative", "chunk-indexed"])
+def test_remapped_recall_places_far_keys_as_the_pruning_style_does(style):
+    """Under the remapping a far key's score depends on its content and, chunk-indexed, on its
+    chunk alone: moving far keys (relative: anywhere outside the window; chunk-indexed: within
+    their stage-0 chunk), each cached rotated at its new position, leaves the remapped recall of
+    the same keys unchanged, while the true-position recall moves."""
+    from vllm_infinitehip.kernels.rope import RopeTable, rotate
+
+    gen = torch.Generator().manual_seed(5)
+    table = RopeTable.default(32, 10000.0)
+    stages = (ref.StageParams(32, 256, 16, 1), ref.StageParams(8, 64, 16, 1))
+    params = ref.PruneParams(16, 64, stages, rope=ref.RopePlan(table, pruning=style))
+    t_len, p = 600, 599
+    content = torch.randn(t_len, 2, 32, generator=gen)
+    q = rotate(torch.randn(1, 4, 32, generator=gen), p, table)
+    pos = torch.tensor([p])
+    far = p - params.window_tokens + 1  # positions [0, far) are outside the window
+    perm = torch.arange(t_len)
+    if style == "relative":
+        perm[:far] = torch.randperm(far, generator=gen)
+    else:  # within each stage-0 chunk that lies wholly outside the window (and the sink)
+        bounds = [0, 16, *range(16 + 32, far + 1, 32)]
+        for lo, hi in itertools.pairwise(bounds):
+            perm[lo:hi] = lo + torch.randperm(hi - lo, generator=gen)
+    mask = torch.zeros(1, t_len, dtype=torch.bool)
+    mask[0, 40:200] = True  # some far keys (by content) and the window
+    mask[0, far:] = True
+
+    def cache(order):  # position j holds content order[j]
+        return rotate(content[order], torch.arange(t_len), table)
+
+    ident = torch.arange(t_len)
+    a = ref.remapped_attention_recall(params, q, cache(ident), pos, mask, 0.2)
+    b = ref.remapped_attention_recall(params, q, cache(perm), pos, mask[:, perm], 0.2)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    true_a = ref.attention_recall(q, cache(ident), pos, mask, 0.2)
+    true_b = ref.attention_recall(q, cache(perm), pos, mask[:, perm], 0.2)
+    assert (true_a - true_b).abs().max() > 1e-3
+    # a full mask keeps everything; without a remapping it is the true-position recall
+    full = torch.arange(t_len).view(1, -1) <= p
+    assert torch.allclose(ref.remapped_attention_recall(params, q, cache(ident), pos, full, 0.2),
+                          torch.ones(1, 4))  # fmt: skip
+    plain = ref.PruneParams(16, 64, stages)
+    plain_recall = ref.remapped_attention_recall(plain, q, cache(ident), pos, mask, 0.2)
+    assert torch.equal(plain_recall, true_a)
 
 
 def _bank_over(cache: torch.Tensor, gen: torch.Generator, poison) -> tuple:

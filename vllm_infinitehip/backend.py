@@ -766,7 +766,12 @@ class InfiniteHiPImpl(AttentionImpl):
             params, req.seq_len, positions, prune.block_starts[-1:], prune.block_valid[-1:]
         )
         recall = ref.attention_recall(q, k, positions, mask, self.scale)[0]
-        self.recall_log.append({
+        record = {
             "query": query, "layer": _layer_index(self._layer_name), "seq_len": req.seq_len,
             "recall": float(recall.mean()), "recall_min_head": float(recall.min()),
-        })  # fmt: skip
+        }  # fmt: skip
+        if params.rope is not None:  # what the selection missed, under the layer's remapping
+            remapped = ref.remapped_attention_recall(params, q, k, positions, mask, self.scale)[0]
+            record["recall_remapped"] = float(remapped.mean())
+            record["recall_remapped_min_head"] = float(remapped.min())
+        self.recall_log.append(record)

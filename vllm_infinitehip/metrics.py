@@ -50,7 +50,9 @@ def collect_recall(worker: Any, enable: bool = True) -> list[dict[str, Any]]:
     query (``"query": "final-prompt"``) and of each sparse decode query (``"decode"``).
 
     ``llm.collective_rpc(collect_recall)`` turns logging on (``enable=False`` turns it off) and
-    returns what was logged: ``{"query", "layer", "seq_len", "recall", "recall_min_head"}``.
+    returns what was logged: ``{"query", "layer", "seq_len", "recall", "recall_min_head"}``, and
+    with RoPE extension on ``"recall_remapped"`` and ``"recall_remapped_min_head"`` (against
+    dense attention under the layer's remapping: ``reference.remapped_attention_recall``).
     Recall is the share of the dense softmax mass (true positions) that falls on the keys the
     query attended; it costs one dense score row per layer and query, so leave it off when
     serving.

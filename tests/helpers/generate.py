@@ -15,8 +15,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 def generate_in_subprocess(model: str, backend: str, spec: dict, workdir: Path, name: str,
                            timeout: int = 600):
-    """Run ``spec`` (``engine`` kwargs, ``prompts``, ``max_tokens``, optional ``report``) through
-    this script in a fresh process; returns its output (token lists, or tokens and report)."""
+    """Run ``spec`` (``engine`` kwargs, ``prompts``, ``max_tokens``, optional ``report``, with
+    ``recall`` the recall log in it) through this script in a fresh process; returns its output
+    (token lists, or tokens and report)."""
     src, dst = Path(workdir) / f"{name}-in.json", Path(workdir) / f"{name}-out.json"
     src.write_text(json.dumps(spec))
     subprocess.run([sys.executable, __file__, model, backend, str(src), str(dst)], check=True,
@@ -94,6 +95,8 @@ if __name__ == "__main__":
     llm = LLM(model, **kw)
     if spec.get("report"):  # not the warm-up run's counts
         llm.collective_rpc("infinitehip_stats", kwargs={"reset": True})
+    if spec.get("recall"):  # log each sparse query's recall (metrics.collect_recall)
+        llm.collective_rpc("infinitehip_recall")
     if spec.get("stagger"):
         tokens = staggered_generate(llm, spec["prompts"], spec["stagger"], spec["max_tokens"])
     else:
@@ -112,5 +115,7 @@ if __name__ == "__main__":
         "stats": (per_rank := llm.collective_rpc("infinitehip_stats"))[0],
         "stats_per_rank": per_rank,
         "sync_checked_forwards": None if checked is None else len(checked),
-    }
+        "recall": (llm.collective_rpc("infinitehip_recall", kwargs={"enable": False})[0]
+                   if spec.get("recall") else None),
+    }  # fmt: skip
     json.dump({"tokens": tokens, "report": report}, open(path_out, "w"))
