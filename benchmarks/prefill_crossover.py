@@ -16,8 +16,8 @@ Each layer kind (``dense_layers`` with their larger budget and chunk-indexed pru
 rest) is timed once and weighted by its count, so a row is one chunk of the whole model's
 attention. The first call of each kind is a warm-up and not timed.
 
-Rows ``{model, context, chunk, rope_extension, dense_s, sparse_s, prune_s, sparse_vs_dense}``. Writes
-``prefill-crossover-<cpu|gpu>-<date>.json``, a PNG and a table. This is what the ``"auto"``
+Rows ``{model, context, chunk, rope_extension, dense_s, sparse_s, prune_s, sparse_vs_dense}``.
+Writes ``prefill-crossover-<cpu|gpu>-<date>.json``, a PNG and a table. This is what the ``"auto"``
 rule of ``prefill_dense_threshold`` is set from (``config.DENSE_PREFILL_CROSSOVER`` on a GPU,
 ``config.CPU_DENSE_PREFILL_CROSSOVER`` on the CPU).
 """
@@ -100,10 +100,9 @@ def chunk_seconds(context: int, chunk: int, shape: tuple, extension: bool, devic
         key = (params.stages[-1].keep_tokens, None if rope is None else rope.pruning)
         count, _ = kinds.get(key, (0, params))
         kinds[key] = (count + 1, params)
-    dense_s = sparse_s = prune_s = 0.0
-    run(next(iter(kinds.values()))[1], True)  # warm-up
-    dense_one = run(None, True)[0]
-    dense_s = dense_one * n_layers
+    run(None, True)  # warm-up
+    dense_s = run(None, True)[0] * n_layers  # every layer's dense attention costs the same
+    sparse_s = prune_s = 0.0
     for count, params in kinds.values():
         run(params, False)  # warm-up (Triton compiles on a GPU)
         total, prune = run(params, False)

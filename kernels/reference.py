@@ -697,8 +697,16 @@ def remapped_attention_recall(
     nq, hq, d = q.shape
     t_len, hkv = k.shape[0], k.shape[1]
     t = torch.arange(t_len, device=k.device)
-    k0 = rotate(k.float(), -t, table)  # every key back at position 0
+    kf = k.float()
+    k0 = rotate(kf, -t, table)  # every key back at position 0
     sw = params.scan_window
+    l0 = params.stages[0].chunk_size
+    ordinal = torch.clamp(t - params.sink_tokens, min=0) // l0  # chunk-indexed key positions
+
+    def scores(qq: torch.Tensor, kk: torch.Tensor) -> torch.Tensor:
+        qg = qq.view(hkv, hq // hkv, d) * scale
+        return torch.einsum("hgd,thd->hgt", qg, kk).reshape(hq, t_len)
+
     out = torch.empty(nq, hq, device=q.device)
     for i in range(nq):
         p = int(q_positions[i])
@@ -707,17 +715,11 @@ def remapped_attention_recall(
         if rope.pruning == "relative":
             far_q, far_k = rotate(q0, sw + 1, table), k0
         else:  # chunk-indexed: only the gap matters, so the keys turn and the query stays at 0
-            l0 = params.stages[0].chunk_size
             n_chunks = max(1, math.ceil((p + 1 - params.sink_tokens) / l0))
-            ordinal = torch.clamp(t - params.sink_tokens, min=0) // l0
-            far_q, far_k = q0, rotate(k0, ordinal - min(p, n_chunks + sw), table)
+            q_pos = int(chunk_indexed_positions(n_chunks, torch.tensor(p), sw).query_pos)
+            far_q, far_k = q0, rotate(k0, ordinal - q_pos, table)
         window = t > p - params.window_tokens
-
-        def scores(qq: torch.Tensor, kk: torch.Tensor) -> torch.Tensor:
-            qg = qq.view(hkv, hq // hkv, d) * scale
-            return torch.einsum("hgd,thd->hgt", qg, kk).reshape(hq, t_len)
-
-        s = torch.where(window, scores(qi, k.float()), scores(far_q, far_k))
+        s = torch.where(window, scores(qi, kf), scores(far_q, far_k))
         probs = s.masked_fill(t > p, NEG_INF).softmax(dim=-1)
         out[i] = (probs * mask[i]).sum(-1)
     return out
