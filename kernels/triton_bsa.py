@@ -818,15 +818,26 @@ def fp8_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(FP8_DTYPE) if t.dtype == torch.uint8 else t
 
 
-def _default_num_splits(max_keys: int, block_n: int) -> int:
-    """About ``2 * block_n`` keys per split, at most 32 splits. It does not depend on the batch,
-    so a row's result is the same in any batch (and in a graph-padded one)."""
-    return max(1, min(triton.cdiv(max_keys, 2 * block_n), 32))
+def _default_num_splits(max_keys: int, keys_per_split: int) -> int:
+    """About ``keys_per_split`` keys per split, at most 32 splits. It does not depend on the
+    batch, so a row's result is the same in any batch (and in a graph-padded one)."""
+    return max(1, min(triton.cdiv(max_keys, keys_per_split), 32))
 
 
-def _decode_block_n(block_d: int, rope: bool) -> int:
-    # A rotation keeps about three more [BLOCK_N, D] tiles live; halved, untuned on a GPU.
-    return 32 if block_d > 128 or rope else 64
+def _decode_tiling(block_d: int, rope: bool, rows_16bit: bool = True) -> tuple[int, int, int]:
+    """(keys per tile, tiles per split, warps) of the split-K decode kernel. The keys per split
+    depend on ``block_d`` and ``rope`` only, so neither does the split count or workspace."""
+    if block_d <= 128 and not rope and rows_16bit:
+        # One 128-key tile per split: its K and V loads are all in flight at once, where two
+        # 64-key tiles waited on each other's page lookups (H200, 512K, a 32-layer graph:
+        # 10.0 -> 7.0 us per layer; 8 warps 12.2 us; decode-breakdown-gpu-2026-12-02.json).
+        return 128, 1, 4
+    # A rotation keeps about three more [BLOCK_N, D] tiles live, and rows loaded as float32 (an
+    # fp8 cache's, dequantized; a float32 cache's) twice the registers: two tiles of 64 (32 with
+    # a rotation or D > 128), untuned on a GPU. An fp8 cache and its float32 dequantization
+    # therefore tile alike, and give the same result.
+    block_n = 32 if block_d > 128 or rope else 64
+    return block_n, 2, 4 if block_d <= 128 else 8
 
 
 def _decode_workspace(
@@ -852,8 +863,9 @@ def decode_workspace_floats(
 ) -> int:
     """Floats a :func:`sparse_decode_attention` workspace needs for batches up to
     ``max_batch`` with the default split count and at most ``max_keys`` keys per row."""
-    block_n = _decode_block_n(triton.next_power_of_2(head_dim), rope)
-    return max_batch * num_heads * _default_num_splits(max_keys, block_n) * (head_dim + 1)
+    block_n, tiles, _ = _decode_tiling(triton.next_power_of_2(head_dim), rope)
+    splits = _default_num_splits(max_keys, block_n * tiles)
+    return max_batch * num_heads * splits * (head_dim + 1)
 
 
 def sparse_decode_attention(
@@ -929,10 +941,11 @@ def sparse_decode_attention(
     hkv = hq // group
     k_max = block_starts.shape[1]
     block_d = triton.next_power_of_2(d)
-    block_n = _decode_block_n(block_d, rope is not None)
+    rows_16bit = kv_cache.element_size() == 2 and not kv_fp8
+    block_n, tiles, num_warps = _decode_tiling(block_d, rope is not None, rows_16bit)
     if num_splits is None:
         max_keys = sink_tokens + window_tokens + k_max * block_size_k
-        num_splits = _default_num_splits(max_keys, block_n)
+        num_splits = _default_num_splits(max_keys, block_n * tiles)
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -954,7 +967,7 @@ def sparse_decode_attention(
         NUM_HEADS=hq, GROUP=group, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         USE_SOFT_CAP=logit_soft_cap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),
-        KV_FP8=kv_fp8, num_warps=4 if block_d <= 128 else 8, **rope_meta,
+        KV_FP8=kv_fp8, num_warps=num_warps, **rope_meta,
     )  # fmt: skip
     _decode_merge_kernel[(batch, hq)](
         part_o, part_lse, out, *out.stride(),

@@ -1,0 +1,201 @@
+"""Where one decode layer's time goes, kernel by kernel, for variants of the decode kernels' launch
+parameters (GPU).
+
+    python benchmarks/decode_breakdown.py [--contexts 524288] [--out benchmarks/results]
+
+Llama-3-8B layer shapes and the paged layout of ``benchmarks/attention.py`` (its ``make_layer``),
+preset ``3k-fast``. For each variant (a set of the kernels' module-level launch parameters) and
+context it measures, with torch SDPA's dense decode as the reference in the same run:
+
+- the reuse step per layer among 32 back-to-back layers in one CUDA graph (as a decode step runs),
+  and each of its kernels' GPU µs (from ``torch.profiler``, kernels in launch order);
+- a refresh at each level in a one-layer graph, and its kernels' µs;
+- the amortized step per layer over the refresh schedule: the in-graph reuse step plus each
+  refresh's extra over the one-layer reuse step;
+- the variant's output against the first variant's (same masks, so the same attention).
+
+Writes ``benchmarks/results/decode-breakdown-<gpu|cpu>-<date>.json``, a PNG and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+import attention as ab  # the kernel benchmark's layer and timing helpers
+from vllm_infinitehip.kernels import decode as dec
+from vllm_infinitehip.kernels import triton_bsa, triton_decode
+from vllm_infinitehip.kernels.triton_bsa import sparse_decode_attention
+from vllm_infinitehip.kernels.triton_decode import refresh_masks
+
+from vllm_infinitehip.config import InfiniteHiPConfig
+from vllm_infinitehip.state import refresh_level
+
+# name -> {(module, attribute): value}; the first is the code's default
+VARIANTS: dict[str, dict] = {
+    "default": {},
+    "rank2": {(triton_decode, "RANK_WAYS"): 2},
+    "tile128x1": {(triton_bsa, "_decode_tiling"): lambda d, r: (128, 1, 4)},
+    "tile128x1w8": {(triton_bsa, "_decode_tiling"): lambda d, r: (128, 1, 8)},
+    "tile64x1": {(triton_bsa, "_decode_tiling"): lambda d, r: (64, 1, 4)},
+    "heads4": {(triton_decode, "SELECT_HEADS"): 4},
+    "unfused": {(triton_decode, "FUSED_TOP_MAX_CHUNKS"): 0},
+}
+
+
+def kernel_times(run, reps: int = 5) -> list[tuple[str, float]]:
+    """(kernel, µs) of one ``run()``, in launch order, averaged over ``reps`` runs."""
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in p.events()
+        if getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA"
+    )
+    n = len(spans) // reps
+    return [
+        (spans[i][2][:40], sum(spans[r * n + i][1] - spans[r * n + i][0] for r in range(reps)) / reps)
+        for i in range(n)
+    ]
+
+
+def graphed(fn):
+    """A CUDA graph of ``fn`` (warmed up on a side stream), as its replay."""
+    for _ in range(3):
+        fn()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        with torch.cuda.graph(g, stream=s):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    return g.replay
+
+
+def per_layer(times: list[tuple[str, float]], layers: int) -> list[tuple[str, float]]:
+    """A ``layers``-layer graph's kernels folded to one layer's (mean per position)."""
+    n = len(times) // layers
+    return [(times[i][0], sum(times[j * n + i][1] for j in range(layers)) / layers)
+            for i in range(n)]  # fmt: skip
+
+
+def run_variant(t: int, cfg: InfiniteHiPConfig, layer) -> dict:
+    params = ab.prune_params(cfg)
+    scale = ab.D**-0.5
+    kv, table, q, _ = layer
+    seq_lens = torch.tensor([t], device="cuda", dtype=torch.int32)
+    btab = table.view(1, -1)
+    n_stages = len(params.stages)
+    masks = dec.DecodeMasks.allocate(params, params.stages[-1].keep_tokens, 1, q.device)
+    scores = dec.allocate_scores(dec.stage_widths(params, t), 1, q.device)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    rows = dec.DecodeRows(btab, seq_lens, torch.zeros(1, **i32), torch.zeros(1, **i32))
+    arrivals = torch.zeros(1, **i32)
+
+    def step():
+        refresh_masks(params, masks, q, kv, rows, scale, scores, arrivals=arrivals)
+        return sparse_decode_attention(
+            q, kv, btab, seq_lens, masks.final, masks.final_counts(),
+            block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
+            window_tokens=params.window_tokens, scale=scale, row_slots=rows.slots,
+        )  # fmt: skip
+
+    out = step().clone()  # level 0: fills the stored stage inputs
+    row = {"levels": {}}
+    for level in range(n_stages + 1):
+        rows.levels.fill_(level)
+        replay = graphed(step)
+        us, _ = ab.bench(replay, graph=False)
+        row["levels"][str(level)] = {"us": us, "kernels": kernel_times(replay)}
+    rows.levels.fill_(n_stages)
+    replay = graphed(lambda: [step() for _ in range(ab.LAYERS)])
+    us, _ = ab.bench(replay, graph=False)
+    row["reuse_in_graph_us"] = us / ab.LAYERS
+    row["reuse_in_graph_kernels"] = per_layer(kernel_times(replay), ab.LAYERS)
+    reuse_one = row["levels"][str(n_stages)]["us"]
+    period = cfg.refresh_intervals[0]
+    extra = sum(
+        row["levels"][str(lv)]["us"] - reuse_one
+        for lv in (refresh_level(s, cfg.refresh_intervals) for s in range(1, period + 1))
+        if lv < n_stages
+    )
+    row["amortized_in_graph_us"] = row["reuse_in_graph_us"] + extra / period
+    row["out"] = out
+    return row
+
+
+def dense_decode_us(t: int, layer) -> float:
+    """torch SDPA's decode over the same context, contiguous K/V (the reference)."""
+    kv, table, q, _ = layer
+    k, v = ab.contiguous_kv(kv, table, t)
+    kg, vg = k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)
+    qd = q.view(1, ab.HQ, 1, ab.D)
+    us, _ = ab.bench(
+        lambda: F.scaled_dot_product_attention(qd, kg, vg, scale=ab.D**-0.5, enable_gqa=True)
+    )
+    return us
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[524288])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    cfg = InfiniteHiPConfig.from_user({"preset": "3k-fast"})
+    date = datetime.date.today().isoformat()
+    rows = []
+    for t in args.contexts:
+        layer = ab.make_layer(t, seed=t % 1000)
+        dense_us = dense_decode_us(t, layer)
+        base_out = None
+        for name in args.variants:
+            saved = {key: getattr(*key) for key in VARIANTS[name]}
+            for (mod, attr), value in VARIANTS[name].items():
+                setattr(mod, attr, value)
+            try:
+                r = run_variant(t, cfg, layer)
+            finally:
+                for (mod, attr), value in saved.items():
+                    setattr(mod, attr, value)
+            out = r.pop("out")
+            base_out = out if base_out is None else base_out
+            r.update(context=t, variant=name, decode_us_dense=dense_us,
+                     max_abs_diff_vs_first=float((out.float() - base_out.float()).abs().max()),
+                     speedup_vs_dense_amortized=dense_us / r["amortized_in_graph_us"])  # fmt: skip
+            rows.append(r)
+            print(f"[breakdown] {t} {name}: reuse in graph {r['reuse_in_graph_us']:.1f} us, "
+                  f"amortized {r['amortized_in_graph_us']:.1f} us, refresh "
+                  + " / ".join(f"{r['levels'][str(lv)]['us']:.0f}" for lv in range(3))
+                  + f", diff {r['max_abs_diff_vs_first']:.2e}", flush=True)  # fmt: skip
+            print("    reuse kernels: " + ", ".join(f"{n} {us:.1f}" for n, us in r["reuse_in_graph_kernels"]))
+            for lv in range(3):
+                print(f"    level {lv} kernels: " + ", ".join(
+                    f"{n} {us:.1f}" for n, us in r["levels"][str(lv)]["kernels"]))  # fmt: skip
+        del layer
+        torch.cuda.empty_cache()
+    result = {"name": "decode-breakdown", "date": date, "gpu": torch.cuda.get_device_name(),
+              "command": "python benchmarks/decode_breakdown.py " + " ".join(argv or sys.argv[1:]),
+              "rows": rows}  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"decode-breakdown-gpu-{date}.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
