@@ -41,10 +41,8 @@ from vllm_infinitehip.state import refresh_level
 # name -> {(module, attribute): value}; the first is the code's default
 VARIANTS: dict[str, dict] = {
     "default": {},
-    "rank2": {(triton_decode, "RANK_WAYS"): 2},
-    "tile128x1": {(triton_bsa, "_decode_tiling"): lambda d, r: (128, 1, 4)},
-    "tile128x1w8": {(triton_bsa, "_decode_tiling"): lambda d, r: (128, 1, 8)},
-    "tile64x1": {(triton_bsa, "_decode_tiling"): lambda d, r: (64, 1, 4)},
+    "tile64x2": {(triton_bsa, "_decode_tiling"): lambda d, r, b16=True: (64, 2, 4)},
+    "tile128x1w8": {(triton_bsa, "_decode_tiling"): lambda d, r, b16=True: (128, 1, 8)},
     "heads4": {(triton_decode, "SELECT_HEADS"): 4},
     "unfused": {(triton_decode, "FUSED_TOP_MAX_CHUNKS"): 0},
 }
