@@ -136,6 +136,16 @@ def run_variant(t: int, cfg: InfiniteHiPConfig, layer) -> dict:
     return row
 
 
+def print_table(rows: list[dict]) -> None:
+    print("| context | variant | reuse in graph us | refresh us (L0 / L1 / L2) | amortized us | "
+          "x SDPA |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        lv = " / ".join(f"{r['levels'][str(i)]['us']:.0f}" for i in range(3))
+        print(f"| {r['context'] // 1024}K | {r['variant']} | {r['reuse_in_graph_us']:.1f} | {lv} | "
+              f"{r['amortized_in_graph_us']:.1f} | {r['speedup_vs_dense_amortized']:.1f} |")
+
+
 def dense_decode_us(t: int, layer) -> float:
     """torch SDPA's decode over the same context, contiguous K/V (the reference)."""
     kv, table, q, _ = layer
@@ -191,7 +201,12 @@ def main(argv: list[str] | None = None) -> int:
               "rows": rows}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"decode-breakdown-gpu-{date}.json").write_text(json.dumps(result, indent=1))
+    path = out / f"decode-breakdown-gpu-{date}.json"
+    path.write_text(json.dumps(result, indent=1))
+    from plot import plot_decode_breakdown
+
+    plot_decode_breakdown(result, path.with_suffix(".png"))
+    print_table(rows)
     return 0
 
 

@@ -198,11 +198,47 @@ def plot_ruler(result: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def plot_decode_breakdown(result: dict, out: Path) -> None:
+    """Stacked bars per variant: the reuse step's kernels in a 32-layer graph, and the amortized
+    refresh on top (µs per layer)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4.2))
+    labels = [f"{r['variant']}\n{r['context'] // 1024}K" for r in rows]
+    colors: dict[str, str] = {}
+    seen: set[str] = set()
+
+    def bar(i: int, us: float, bottom: float, name: str, **kw) -> None:
+        color = colors.setdefault(name, f"C{len(colors) % 10}")
+        ax.bar(i, us, bottom=bottom, color=color, edgecolor="white",
+               label=None if name in seen else name.lstrip("_"), **kw)  # fmt: skip
+        seen.add(name)
+
+    for i, r in enumerate(rows):
+        bottom = 0.0
+        for name, us in r["reuse_in_graph_kernels"]:
+            bar(i, us, bottom, name)
+            bottom += us
+        bar(i, r["reuse_in_graph_us"] - bottom, bottom, "gaps between kernels")
+        bar(i, r["amortized_in_graph_us"] - r["reuse_in_graph_us"], r["reuse_in_graph_us"],
+            "refresh, amortized", hatch="//")  # fmt: skip
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set(ylabel="µs per layer", title=f"decode layer by kernel, {result['gpu']}, "
+           f"{result['date']}")  # fmt: skip
+    ax.legend(fontsize=7)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     path = Path(sys.argv[1])
     result = json.loads(path.read_text())
     out = path.with_suffix(".png")
     plots = {"attention": plot_attention, "passkey": plot_passkey, "recall": plot_recall,
-             "ruler": plot_ruler}
+             "ruler": plot_ruler, "decode-breakdown": plot_decode_breakdown}
     plots[result["name"]](result, out)
     print(f"wrote {out}")
