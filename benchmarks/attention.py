@@ -50,6 +50,20 @@ PREFILL_CHUNK = 32768
 BASELINES = ("fa3", "xformers")
 
 
+def capture(fn):
+    """A CUDA graph of ``fn`` (one warm-up call on a side stream first), as its replay."""
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        with torch.cuda.graph(g, stream=s):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    return g.replay
+
+
 def bench(fn, graph: bool = True, warmup: int = 3, reps: int = 20) -> tuple[float, bool]:
     """Median µs of ``fn``; replays a CUDA graph of it when capture works (no host syncs)."""
     for _ in range(warmup):
@@ -59,16 +73,7 @@ def bench(fn, graph: bool = True, warmup: int = 3, reps: int = 20) -> tuple[floa
     captured = False
     if graph:
         try:
-            g = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-                with torch.cuda.graph(g, stream=s):
-                    fn()
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            run, captured = g.replay, True
+            run, captured = capture(fn), True
         except Exception as e:  # noqa: BLE001 - report and fall back to eager timing
             print(f"  (graph capture failed: {type(e).__name__}: {str(e)[:120]}; eager timing)")
             torch.cuda.synchronize()
@@ -138,6 +143,19 @@ def prune_params(cfg: InfiniteHiPConfig) -> ref.PruneParams:
     return ref.PruneParams(cfg.sink_tokens, cfg.window_tokens, stages, cfg.probe)
 
 
+def decode_state(params: ref.PruneParams, t: int, table: torch.Tensor):
+    """One decode row's device state at context ``t``: (seq_lens, block table, masks, stage
+    scores, rows at refresh level 0, arrival counters), preallocated as the backend's are (no
+    memset in a graph)."""
+    seq_lens = torch.tensor([t], device="cuda", dtype=torch.int32)
+    btab = table.view(1, -1)
+    masks = dec.DecodeMasks.allocate(params, params.stages[-1].keep_tokens, 1, table.device)
+    scores = dec.allocate_scores(dec.stage_widths(params, t), 1, table.device)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    rows = dec.DecodeRows(btab, seq_lens, torch.zeros(1, **i32), torch.zeros(1, **i32))
+    return seq_lens, btab, masks, scores, rows, torch.zeros(1, **i32)
+
+
 def run_context(t: int, cfg: InfiniteHiPConfig, bw: float,
                 baselines: tuple[str, ...] = BASELINES) -> dict:
     params = prune_params(cfg)
@@ -176,14 +194,8 @@ def run_context(t: int, cfg: InfiniteHiPConfig, bw: float,
     # joins by its refresh level (a device tensor), then split-K BSA through the row's slot.
     # Every level is the same launch sequence, so "reuse" includes the stages' no-op launches.
     pos = torch.tensor([t - 1], device="cuda")
-    seq_lens = torch.tensor([t], device="cuda", dtype=torch.int32)
-    btab = table.view(1, -1)
+    seq_lens, btab, masks, scores, rows, arrivals = decode_state(params, t, table)
     n_stages = len(params.stages)
-    masks = dec.DecodeMasks.allocate(params, params.stages[-1].keep_tokens, 1, q.device)
-    scores = dec.allocate_scores(dec.stage_widths(params, t), 1, q.device)
-    i32 = dict(dtype=torch.int32, device="cuda")
-    rows = dec.DecodeRows(btab, seq_lens, torch.zeros(1, **i32), torch.zeros(1, **i32))
-    arrivals = torch.zeros(1, **i32)  # preallocated, as the backend's (no memset in a graph)
 
     def attend():
         return sparse_decode_attention(

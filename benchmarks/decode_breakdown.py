@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 import attention as ab  # the kernel benchmark's layer and timing helpers
-from vllm_infinitehip.kernels import decode as dec
 from vllm_infinitehip.kernels import triton_bsa, triton_decode
 from vllm_infinitehip.kernels.triton_bsa import sparse_decode_attention
 from vllm_infinitehip.kernels.triton_decode import refresh_masks
@@ -69,19 +68,10 @@ def kernel_times(run, reps: int = 5) -> list[tuple[str, float]]:
 
 
 def graphed(fn):
-    """A CUDA graph of ``fn`` (warmed up on a side stream), as its replay."""
+    """A CUDA graph of ``fn``, warmed up first, as its replay."""
     for _ in range(3):
         fn()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        with torch.cuda.graph(g, stream=s):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    return g.replay
+    return ab.capture(fn)
 
 
 def per_layer(times: list[tuple[str, float]], layers: int) -> list[tuple[str, float]]:
@@ -95,14 +85,8 @@ def run_variant(t: int, cfg: InfiniteHiPConfig, layer) -> dict:
     params = ab.prune_params(cfg)
     scale = ab.D**-0.5
     kv, table, q, _ = layer
-    seq_lens = torch.tensor([t], device="cuda", dtype=torch.int32)
-    btab = table.view(1, -1)
+    seq_lens, btab, masks, scores, rows, arrivals = ab.decode_state(params, t, table)
     n_stages = len(params.stages)
-    masks = dec.DecodeMasks.allocate(params, params.stages[-1].keep_tokens, 1, q.device)
-    scores = dec.allocate_scores(dec.stage_widths(params, t), 1, q.device)
-    i32 = dict(dtype=torch.int32, device="cuda")
-    rows = dec.DecodeRows(btab, seq_lens, torch.zeros(1, **i32), torch.zeros(1, **i32))
-    arrivals = torch.zeros(1, **i32)
 
     def step():
         refresh_masks(params, masks, q, kv, rows, scale, scores, arrivals=arrivals)
