@@ -55,9 +55,9 @@ ROPE_NONE, ROPE_RELATIVE, ROPE_CHUNK_INDEXED = 0, 1, 2
 # 234 us per layer in a one-layer graph: the ranking runs on 4 warps and raises the kernel's
 # register count) and the 28-in-32 reuse steps cheaper (21.1 -> 18.3 us), 179.3 -> 182.7 tok/s.
 FUSED_TOP_MAX_CHUNKS = 2048
-# Query heads per SelectRep program (see the module docstring; 4 made a full refresh at 512K
-# 154 -> 193 us and a reuse step's three no-op launches 5.8 -> 4.1 us,
-# decode-breakdown-gpu-2026-12-02.json).
+# Query heads per SelectRep program (see the module docstring). 4 at 512K: stage 0's launch in
+# a full refresh 154 -> 193 us, a reuse step's three no-op launches 5.8 -> 4.1 us
+# (decode-breakdown-gpu-2026-12-02.json).
 SELECT_HEADS = 1
 _ROPE_CODES = {"none": ROPE_NONE, "relative": ROPE_RELATIVE, "chunk-indexed": ROPE_CHUNK_INDEXED}
 
