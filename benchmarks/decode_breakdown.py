@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 import attention as ab  # the kernel benchmark's layer and timing helpers
+from e2e import _kernel_spans
 from vllm_infinitehip.kernels import triton_bsa, triton_decode
 from vllm_infinitehip.kernels.triton_bsa import sparse_decode_attention
 from vllm_infinitehip.kernels.triton_decode import refresh_masks
@@ -55,14 +56,10 @@ def kernel_times(run, reps: int = 5) -> list[tuple[str, float]]:
         for _ in range(reps):
             run()
         torch.cuda.synchronize()
-    spans = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in p.events()
-        if getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA"
-    )
+    spans = sorted(_kernel_spans(p), key=lambda span: span[1])  # (name, start, end)
     n = len(spans) // reps
     return [
-        (spans[i][2][:40], sum(spans[r * n + i][1] - spans[r * n + i][0] for r in range(reps)) / reps)
+        (spans[i][0][:40], sum(spans[r * n + i][2] - spans[r * n + i][1] for r in range(reps)) / reps)
         for i in range(n)
     ]
 
