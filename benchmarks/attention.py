@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from vllm_infinitehip.kernels import decode as dec
 from vllm_infinitehip.kernels import reference as ref
+from vllm_infinitehip.kernels.graph_if import GraphIf, conditional_graphs_work
 from vllm_infinitehip.kernels.triton_bsa import sparse_decode_attention, sparse_prefill_attention
 from vllm_infinitehip.kernels.triton_decode import refresh_masks
 from vllm_infinitehip.kernels.triton_prune import run_stages_paged
@@ -156,6 +157,49 @@ def decode_state(params: ref.PruneParams, t: int, table: torch.Tensor):
     return seq_lens, btab, masks, scores, rows, torch.zeros(1, **i32)
 
 
+class DecodeLayer:
+    """One decode row's layer as the backend runs it: the pruning cascade, then split-K
+    attention through the row's slot. ``gated`` (the backend where CUDA's conditional graph
+    nodes work): the cascade sits in a graph_if region that a captured graph skips unless the
+    row's level reruns a stage, with each stage's top-k in a launch of its own; otherwise the
+    cascade launches every step with the top-k fused into SelectRep."""
+
+    def __init__(self, params: ref.PruneParams, t: int, table, q, kv, scale: float,
+                 gated: bool = True) -> None:  # fmt: skip
+        self.params, self.q, self.kv, self.scale = params, q, kv, scale
+        (self.seq_lens, self.btab, self.masks, self.scores, self.rows,
+         self.arrivals) = decode_state(params, t, table)  # fmt: skip
+        self.n_stages = len(params.stages)
+        self.flag = torch.ones(1, dtype=torch.bool, device="cuda")
+        # a gate per graph shape: each capture must open every region of its gate
+        self.gates = {n: GraphIf(self.flag, n) for n in (1, LAYERS)} if gated else None
+
+    def set_level(self, level: int) -> None:
+        """The row's refresh level, and the flag the builder's slot kernel would set."""
+        self.rows.levels.fill_(level)
+        self.flag.fill_(level < self.n_stages)
+
+    def attend(self, num_splits: int | None = None):
+        p = self.params
+        return sparse_decode_attention(
+            self.q, self.kv, self.btab, self.seq_lens, self.masks.final,
+            self.masks.final_counts(), block_size_k=p.block_size_k, sink_tokens=p.sink_tokens,
+            window_tokens=p.window_tokens, scale=self.scale, row_slots=self.rows.slots,
+            num_splits=num_splits,
+        )  # fmt: skip
+
+    def step(self, region: int = 0, layers: int = 1):
+        gate = self.gates[layers].region(region) if self.gates else None
+        refresh_masks(self.params, self.masks, self.q, self.kv, self.rows, self.scale,
+                      self.scores, arrivals=self.arrivals, gate=gate,
+                      fuse_top=self.gates is None)  # fmt: skip
+        return self.attend()
+
+    def model_step(self) -> list:
+        """``LAYERS`` layers back to back, as a decode step's graph holds them."""
+        return [self.step(i, LAYERS) for i in range(LAYERS)]
+
+
 def run_context(t: int, cfg: InfiniteHiPConfig, bw: float,
                 baselines: tuple[str, ...] = BASELINES) -> dict:
     params = prune_params(cfg)
@@ -190,45 +234,30 @@ def run_context(t: int, cfg: InfiniteHiPConfig, bw: float,
     ref_prefill = dense_prefill()[0].transpose(0, 1)  # [nq, HQ, D], as the baselines return it
     del kd, vd, kg, vg
 
-    # ---- ours: decode, as the backend runs it: one batched cascade whose stages each row
-    # joins by its refresh level (a device tensor), then split-K BSA through the row's slot.
-    # Every level is the same launch sequence, so "reuse" includes the stages' no-op launches.
+    # ---- ours: decode, as the backend runs it (DecodeLayer): the cascade, whose stages the row
+    # joins by its refresh level (a device tensor), behind a gate that a graph skips on reuse
+    # steps; then split-K BSA through the row's slot.
     pos = torch.tensor([t - 1], device="cuda")
-    seq_lens, btab, masks, scores, rows, arrivals = decode_state(params, t, table)
-    n_stages = len(params.stages)
-
-    def attend():
-        return sparse_decode_attention(
-            q, kv, btab, seq_lens, masks.final, masks.final_counts(),
-            block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
-            window_tokens=params.window_tokens, scale=scale, row_slots=rows.slots,
-        )
-
-    def decode_step():
-        refresh_masks(params, masks, q, kv, rows, scale, scores, arrivals=arrivals)
-        return attend()
-
-    decode_step()  # level 0: fills the stored stage inputs the other levels resume from
+    layer = DecodeLayer(params, t, table, q, kv, scale, gated=conditional_graphs_work("cuda"))
+    row["decode_graph_gated"] = layer.gates is not None
+    n_stages = layer.n_stages
+    layer.step()  # level 0: fills the stored stage inputs the other levels resume from
     level_us = {}
     graphs = {}
     for level in range(n_stages + 1):
-        rows.levels.fill_(level)
-        level_us[level], graphs[level] = bench(decode_step)
+        layer.set_level(level)
+        level_us[level], graphs[level] = bench(layer.step)
     reuse_us = level_us.pop(n_stages)
-    attend_us, _ = bench(attend)
+    attend_us, _ = bench(layer.attend)
     # per layer inside a step's graph: the reuse step, and attention alone at each split count
-    rows.levels.fill_(n_stages)
-    row["decode_us_reuse_in_graph"] = bench_in_model(decode_step)
+    layer.set_level(n_stages)
+    row["decode_us_reuse_in_graph"] = bench(layer.model_step)[0] / LAYERS
     row["decode_us_attend_in_graph_by_splits"] = {
-        str(n): bench_in_model(lambda n=n: sparse_decode_attention(
-            q, kv, btab, seq_lens, masks.final, masks.final_counts(),
-            block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
-            window_tokens=params.window_tokens, scale=scale, row_slots=rows.slots,
-            num_splits=n))
-        for n in (8, 16, 32, 48, 64)
-    }  # fmt: skip
-    rows.levels.fill_(0)
-    decode_step()
+        str(n): bench_in_model(lambda n=n: layer.attend(n)) for n in (8, 16, 32, 48, 64)
+    }
+    layer.set_level(0)
+    layer.step()
+    masks = layer.masks
     sel = masks.prune_result(0)
     period = cfg.refresh_intervals[0]
     schedule = [refresh_level(s, cfg.refresh_intervals) for s in range(1, period + 1)]

@@ -8,7 +8,8 @@ preset ``3k-fast``. For each variant (a set of the kernels' module-level launch 
 context it measures, with torch SDPA's dense decode as the reference in the same run:
 
 - the reuse step per layer among 32 back-to-back layers in one CUDA graph (as a decode step runs),
-  and each of its kernels' GPU µs (from ``torch.profiler``, kernels in launch order);
+  and each of its kernels' GPU µs (from ``torch.profiler``, kernels in launch order); the cascade
+  sits behind the backend's graph gate (``ungated``: launched every step, top-k fused);
 - a refresh at each level in a one-layer graph, and its kernels' µs;
 - the amortized step per layer over the refresh schedule: the in-graph reuse step plus each
   refresh's extra over the one-layer reuse step;
@@ -32,15 +33,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 import attention as ab  # the kernel benchmark's layer and timing helpers
 from e2e import _kernel_spans
 from vllm_infinitehip.kernels import triton_bsa, triton_decode
-from vllm_infinitehip.kernels.triton_bsa import sparse_decode_attention
-from vllm_infinitehip.kernels.triton_decode import refresh_masks
+from vllm_infinitehip.kernels.graph_if import conditional_graphs_work
 
 from vllm_infinitehip.config import InfiniteHiPConfig
 from vllm_infinitehip.state import refresh_level
 
-# name -> {(module, attribute): value}; the first is the code's default
+# name -> {(module, attribute): value, or "gated": bool}; the first is the code's default (the
+# cascade behind the graph gate where conditional nodes work, as the backend runs it)
 VARIANTS: dict[str, dict] = {
     "default": {},
+    "ungated": {"gated": False},
     "tile64x2": {(triton_bsa, "_decode_tiling"): lambda d, r, b16=True: (64, 2, 4)},
     "tile128x1w8": {(triton_bsa, "_decode_tiling"): lambda d, r, b16=True: (128, 1, 8)},
     "heads4": {(triton_decode, "SELECT_HEADS"): 4},
@@ -78,30 +80,20 @@ def per_layer(times: list[tuple[str, float]], layers: int) -> list[tuple[str, fl
             for i in range(n)]  # fmt: skip
 
 
-def run_variant(t: int, cfg: InfiniteHiPConfig, layer) -> dict:
+def run_variant(t: int, cfg: InfiniteHiPConfig, layer, gated: bool) -> dict:
     params = ab.prune_params(cfg)
-    scale = ab.D**-0.5
     kv, table, q, _ = layer
-    seq_lens, btab, masks, scores, rows, arrivals = ab.decode_state(params, t, table)
-    n_stages = len(params.stages)
-
-    def step():
-        refresh_masks(params, masks, q, kv, rows, scale, scores, arrivals=arrivals)
-        return sparse_decode_attention(
-            q, kv, btab, seq_lens, masks.final, masks.final_counts(),
-            block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
-            window_tokens=params.window_tokens, scale=scale, row_slots=rows.slots,
-        )  # fmt: skip
-
-    out = step().clone()  # level 0: fills the stored stage inputs
-    row = {"levels": {}}
+    dl = ab.DecodeLayer(params, t, table, q, kv, ab.D**-0.5, gated=gated)
+    n_stages = dl.n_stages
+    out = dl.step().clone()  # level 0: fills the stored stage inputs
+    row = {"levels": {}, "gated": gated}
     for level in range(n_stages + 1):
-        rows.levels.fill_(level)
-        replay = graphed(step)
+        dl.set_level(level)
+        replay = graphed(dl.step)
         us, _ = ab.bench(replay, graph=False)
         row["levels"][str(level)] = {"us": us, "kernels": kernel_times(replay)}
-    rows.levels.fill_(n_stages)
-    replay = graphed(lambda: [step() for _ in range(ab.LAYERS)])
+    dl.set_level(n_stages)
+    replay = graphed(dl.model_step)
     us, _ = ab.bench(replay, graph=False)
     row["reuse_in_graph_us"] = us / ab.LAYERS
     row["reuse_in_graph_kernels"] = per_layer(kernel_times(replay), ab.LAYERS)
@@ -153,11 +145,13 @@ def main(argv: list[str] | None = None) -> int:
         dense_us = dense_decode_us(t, layer)
         base_out = None
         for name in args.variants:
-            saved = {key: getattr(*key) for key in VARIANTS[name]}
-            for (mod, attr), value in VARIANTS[name].items():
+            patch = {k: v for k, v in VARIANTS[name].items() if k != "gated"}
+            gated = VARIANTS[name].get("gated", True) and conditional_graphs_work("cuda")
+            saved = {key: getattr(*key) for key in patch}
+            for (mod, attr), value in patch.items():
                 setattr(mod, attr, value)
             try:
-                r = run_variant(t, cfg, layer)
+                r = run_variant(t, cfg, layer, gated)
             finally:
                 for (mod, attr), value in saved.items():
                     setattr(mod, attr, value)

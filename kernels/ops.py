@@ -50,6 +50,10 @@ class DecodeScratch:
     placement: object | None = None  # triton_decode.QueryPlacement of the layer
     # the layer's host-tier bank (pages, residency table): decode reads resident pages there
     bank: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the step's cascade gate (graph_if.GraphIf, GPU): a captured decode graph skips the
+    # layer's cascade, region ``gate_region``, when no row refreshes
+    gate: object | None = None
+    gate_region: int = 0
 
 
 class AttentionOps(Protocol):
@@ -176,10 +180,15 @@ class TritonOps:
                        v_scale=None):  # fmt: skip
         from vllm_infinitehip.kernels import triton_decode
 
+        # With a gate, steps that refresh nothing skip the launches, so the top-k gets its own
+        # (faster at refresh); without one, it rides in SelectRep (fewer no-op launches).
+        gate = scratch.gate
         triton_decode.refresh_masks(params, masks, q, kv_cache, rows, scale, scratch.scores,
                                     scratch.placement, bank=scratch.bank, k_scale=k_scale,
                                     v_scale=v_scale, reduce_scores=self.reduce_scores,
-                                    arrivals=scratch.arrivals)  # fmt: skip
+                                    arrivals=scratch.arrivals,
+                                    gate=gate.region(scratch.gate_region) if gate else None,
+                                    fuse_top=gate is None)  # fmt: skip
 
     def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch, *,
                       k_scale=None, v_scale=None):  # fmt: skip

@@ -30,6 +30,7 @@ The PyTorch reference of this cascade is :func:`decode.refresh_masks_reference`
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -568,6 +569,8 @@ def refresh_masks(
     v_scale: float | torch.Tensor | None = None,
     reduce_scores: ref.ScoreReduce | None = None,
     arrivals: torch.Tensor | None = None,
+    gate: contextlib.AbstractContextManager | None = None,
+    fuse_top: bool = True,
 ) -> None:
     """Rerun every stage at or after each row's refresh level, from its stored input (§1.6).
 
@@ -586,6 +589,13 @@ def refresh_masks(
     combined in place before its top-k; a collective that CUDA graphs can capture).
     ``arrivals``: int32 ``[>= B]`` at zero (left so), the fused top-k's per-row arrival
     counters; a caller that captures graphs preallocates it.
+    ``gate``: a context the launches run in (a :class:`graph_if.GraphIf` region, which a
+    captured graph skips when no row refreshes); what it needs to be allocation-free, the
+    placed queries and the arrival counters, is made before it.
+    ``fuse_top``: rank each stage in its SelectRep launch (saves a launch per stage on steps
+    that refresh nothing, whose programs exit at once) or in a launch of its own (a faster
+    refresh: the fused ranking raises SelectRep's register count; the choice where a gate
+    skips those steps).
     """
     batch, hq, d = q.shape
     if batch == 0:
@@ -614,27 +624,32 @@ def refresh_masks(
     heads = SELECT_HEADS
     if arrivals is None:
         arrivals = torch.zeros(batch, dtype=torch.int32, device=q.device)
-    for i, st in enumerate(params.stages):
-        width = scores[i].shape[1]
-        cand, out, keep, top_meta = _top_args(scores[i], masks, params, i)
-        # tp_mask "global" combines every rank's scores between SelectRep and the top-k
-        fuse = reduce_scores is None and top_meta["BLOCK_C"] <= FUSED_TOP_MAX_CHUNKS
-        _decode_select_kernel[(batch, triton.cdiv(width, block_chunk), hq // heads)](
-            q_left, q_left if q_right is None else q_right, kv_cache, rows.block_table,
-            rows.seq_lens, rows.slots, rows.levels, cand, masks.counts, masks.widths, scores[i],
-            *rope_args, bank_pages, bank_table, bank_pages.stride(0), k_sc, q_scale, d,
-            params.sink_tokens, params.scan_window,
-            *q_left.stride(), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
-            kv_cache.stride(4), *rows.block_table.stride(), cand.stride(0), cand.stride(1),
-            masks.counts.stride(0), scores[i].stride(0), arrivals, out, out.stride(0),
-            out.stride(1), keep, width,
-            GROUP=hq // hkv, HEADS=heads, PAGE_SIZE=page_size,
-            N_ITERS=ref.bisect_steps(st.chunk_size), MIDPOINT=params.probe == "midpoint",
-            LO_BITS=LO_BITS, BLOCK_CHUNK=block_chunk, BLOCK_D=block_d, HAS_BANK=bank is not None,
-            KV_FP8=kv_fp8, FUSE_TOP=fuse, num_warps=4, **rope_meta, **top_meta,
-        )  # fmt: skip
-        if fuse:
-            continue
-        if reduce_scores is not None:
-            scores[i][:batch].copy_(reduce_scores(scores[i][:batch]))
-        top_chunks(scores[i], rows, masks, params, i)
+    # the placed queries, tables and counters above are made outside: a gate's body must not
+    # allocate (graph_if.py)
+    with gate or contextlib.nullcontext():
+        for i, st in enumerate(params.stages):
+            width = scores[i].shape[1]
+            cand, out, keep, top_meta = _top_args(scores[i], masks, params, i)
+            # tp_mask "global" combines every rank's scores between SelectRep and the top-k
+            fuse = (fuse_top and reduce_scores is None
+                    and top_meta["BLOCK_C"] <= FUSED_TOP_MAX_CHUNKS)  # fmt: skip
+            _decode_select_kernel[(batch, triton.cdiv(width, block_chunk), hq // heads)](
+                q_left, q_left if q_right is None else q_right, kv_cache, rows.block_table,
+                rows.seq_lens, rows.slots, rows.levels, cand, masks.counts, masks.widths,
+                scores[i], *rope_args, bank_pages, bank_table, bank_pages.stride(0), k_sc,
+                q_scale, d, params.sink_tokens, params.scan_window,
+                *q_left.stride(), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
+                kv_cache.stride(4), *rows.block_table.stride(), cand.stride(0), cand.stride(1),
+                masks.counts.stride(0), scores[i].stride(0), arrivals, out, out.stride(0),
+                out.stride(1), keep, width,
+                GROUP=hq // hkv, HEADS=heads, PAGE_SIZE=page_size,
+                N_ITERS=ref.bisect_steps(st.chunk_size), MIDPOINT=params.probe == "midpoint",
+                LO_BITS=LO_BITS, BLOCK_CHUNK=block_chunk, BLOCK_D=block_d,
+                HAS_BANK=bank is not None, KV_FP8=kv_fp8, FUSE_TOP=fuse, num_warps=4,
+                **rope_meta, **top_meta,
+            )  # fmt: skip
+            if fuse:
+                continue
+            if reduce_scores is not None:  # (never under a gate: it allocates, and collectives)
+                scores[i][:batch].copy_(reduce_scores(scores[i][:batch]))
+            top_chunks(scores[i], rows, masks, params, i)

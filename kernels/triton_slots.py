@@ -9,7 +9,9 @@ is one launch: a single program walks the rows twice, keeping the slot arrays in
   is ``seq_len - 1``; the row keeps it unless an earlier row did;
 - pass 2, row by row: a sparse row that kept nothing takes the lowest slot no row kept or took;
 - then the slot arrays are rewritten (unkept slots freed) and the per-row slots, levels and
-  lengths are stored in the builder's persistent buffers.
+  lengths are stored in the builder's persistent buffers, with one byte saying whether any row
+  reruns a pruning stage (the flag that lets a decode graph skip the cascade,
+  :mod:`kernels.graph_if`).
 
 Rows are few (at most ``max_num_seqs``), so the sequential walk is cheap next to the launches
 it replaces.
@@ -31,6 +33,7 @@ def _assign_slots_kernel(
     step_ptr,
     intervals_ptr,
     level_counts_ptr,
+    refreshing_ptr,
     out_slot_ptr,
     out_level_ptr,
     out_seq_len_ptr,
@@ -70,6 +73,7 @@ def _assign_slots_kernel(
     new_steps = tl.zeros([BLOCK_S], tl.int32)
     offs_l = tl.arange(0, BLOCK_L)
     counts = tl.zeros([BLOCK_L], tl.int64)
+    refreshing = 0
     for r in range(0, rows):
         sl = tl.load(seq_lens_ptr + r)
         row = bt_ptr + r * stride_btb
@@ -95,6 +99,7 @@ def _assign_slots_kernel(
         level = tl.where(step == 0, 0, level)
         level = tl.where(slot >= 0, level, -1)
         counts += (offs_l == tl.where(level >= 0, level, N_STAGES + 1)).to(tl.int64)
+        refreshing = refreshing | ((level >= 0) & (level < N_STAGES)).to(tl.int32)
         tl.store(out_slot_ptr + r, slot)
         tl.store(out_level_ptr + r, level)
         tl.store(out_seq_len_ptr + r, sl)
@@ -102,6 +107,7 @@ def _assign_slots_kernel(
     tl.store(key_ptr + offs, new_keys, mask=valid)
     tl.store(len_ptr + offs, new_lens, mask=valid)
     tl.store(step_ptr + offs, new_steps, mask=valid)
+    tl.store(refreshing_ptr, refreshing.to(tl.uint8))
     l_ok = offs_l < N_STAGES + 2
     tl.store(level_counts_ptr + offs_l, tl.load(level_counts_ptr + offs_l, mask=l_ok) + counts,
              mask=l_ok)  # fmt: skip
@@ -117,6 +123,7 @@ def assign_slots(
     slot_step: torch.Tensor,
     intervals: torch.Tensor,
     level_counts: torch.Tensor,
+    refreshing: torch.Tensor,
     out_slots: torch.Tensor,
     out_levels: torch.Tensor,
     out_seq_lens: torch.Tensor,
@@ -124,13 +131,15 @@ def assign_slots(
     """One launch of the matching; see :meth:`state.DecodeSlots.assign` for the contract.
 
     Slot arrays are int32 ``[num_slots (+ spare)]``; ``seq_lens`` int32 ``[B]``; the outputs
-    int32 ``[>= B]``. ``intervals`` is int32 ``[n_stages]`` on the device."""
+    int32 ``[>= B]``. ``intervals`` is int32 ``[n_stages]`` on the device. ``refreshing`` (one
+    byte) is set to whether any row reruns a stage this step."""
     rows = seq_lens.shape[0]
     num_slots = key_block.shape[0] - 1
     n_stages = intervals.shape[0]
     _assign_slots_kernel[(1,)](
         block_table, seq_lens, key_block, slot_seq_len, slot_step, intervals, level_counts,
-        out_slots, out_levels, out_seq_lens, rows, num_slots, threshold, block_size,
+        refreshing.view(torch.uint8), out_slots, out_levels, out_seq_lens, rows, num_slots,
+        threshold, block_size,
         *block_table.stride(), N_STAGES=n_stages, BLOCK_S=triton.next_power_of_2(num_slots),
         BLOCK_L=triton.next_power_of_2(n_stages + 2), num_warps=4,
     )  # fmt: skip

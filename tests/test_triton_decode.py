@@ -122,12 +122,16 @@ ROPE_STYLES = [None, "relative", "chunk-indexed"]
 
 
 # Stage 0's scores here are 94 wide (128 as a power of two): a fused-top-k limit of 2048 ranks
-# every stage inside its SelectRep launch, 64 leaves stage 0 its own top-k launch, 0 every stage.
+# every stage inside its SelectRep launch, 64 leaves stage 0 its own top-k launch, 0 every stage;
+# fuse_top=False (the backend's choice when a graph gate skips reuse steps) ranks none inside.
 @pytest.mark.parametrize(
-    ("rope_style", "fused_top_max"),
-    [(style, 2048) for style in ROPE_STYLES] + [(None, 64), ("relative", 0)],
+    ("rope_style", "fused_top_max", "fuse_top"),
+    [(style, 2048, True) for style in ROPE_STYLES]
+    + [(None, 64, True), ("relative", 0, True), ("chunk-indexed", 2048, False)],
 )
-def test_batched_cascade_equals_reference_at_mixed_levels(rope_style, fused_top_max, monkeypatch):
+def test_batched_cascade_equals_reference_at_mixed_levels(
+    rope_style, fused_top_max, fuse_top, monkeypatch
+):
     monkeypatch.setattr(td, "FUSED_TOP_MAX_CHUNKS", fused_top_max)
     gen = torch.Generator().manual_seed(7 + len(str(rope_style)))
     hq, hkv, d, page = 4, 2, 32, 16
@@ -157,7 +161,7 @@ def test_batched_cascade_equals_reference_at_mixed_levels(rope_style, fused_top_
         dec.refresh_masks_reference(params, want, q, cache, rows_cpu, scale)
         td.refresh_masks(params, got, q.to(DEVICE), cache.to(DEVICE),
                          rows_on(DEVICE, table, seq_lens, slots, levels), scale, scores,
-                         placement, arrivals=arrivals)  # fmt: skip
+                         placement, arrivals=arrivals, fuse_top=fuse_top)  # fmt: skip
         assert_masks_equal(got, want, [s for s in slots if s >= 0])
         for s in scores:  # the top-k left its scratch as it found it
             assert torch.isneginf(s).all()
@@ -322,3 +326,58 @@ def test_fp8_cache_cascade_and_attention_equal_reference(rope_style, k_scale):
     assert not torch.allclose(no_bank.cpu(), out_want), "the host's resident pages are read"
     with pytest.raises(ValueError, match="k_scale and v_scale"):
         td.refresh_masks(params, got, q.to(dev), stored.to(dev), rows, d**-0.5, scores, placement)
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_CUDA, reason="CUDA graphs need a GPU; the CPU twins "
+                    "are the flag (test_triton_slots.py) and the unfused cascade (above)")
+def test_a_captured_cascade_behind_a_gate_runs_only_when_the_flag_is_set():
+    """The cascade captured in a CUDA graph inside a graph_if region (unfused top-k, as the
+    backend runs it there): replays with the flag set equal the reference at every level; a
+    replay with the flag cleared leaves the masks alone even though the rows' levels ask for a
+    refresh (the body really is skipped)."""
+    from vllm_infinitehip.kernels.graph_if import GraphIf, conditional_graphs_work
+
+    assert conditional_graphs_work(torch.device("cuda"))
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d, page = 4, 2, 32, 16
+    params = small_params()
+    seq_lens = [1500, 2900, 700, 5000]
+    cache, table, q = batch(seq_lens, hq, hkv, d, page, gen)
+    scale = d**-0.5
+    slots = [3, 0, 2, 1]
+    want = dec.DecodeMasks.allocate(params, 64, 4, torch.device("cpu"))
+    got = dec.DecodeMasks.allocate(params, 64, 4, torch.device("cuda"))
+    scores = dec.allocate_scores(dec.stage_widths(params, 6000), 4, torch.device("cuda"))
+    arrivals = torch.zeros(4, dtype=torch.int32, device="cuda")
+    rows = rows_on("cuda", table, seq_lens, slots, [0, 0, 0, 0])
+    q_dev, cache_dev = q.to("cuda"), cache.to("cuda")
+    flag = torch.ones(1, dtype=torch.bool, device="cuda")
+    gate = GraphIf(flag, 1)
+
+    def cascade():
+        td.refresh_masks(params, got, q_dev, cache_dev, rows, scale, scores, arrivals=arrivals,
+                         gate=gate.region(0), fuse_top=False)  # fmt: skip
+
+    cascade()  # compiles eagerly (outside a capture the region is a no-op)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cascade()
+    for levels in ([0, 0, 0, 0], [1, 2, 3, 0], [3, 3, 3, 3], [2, 1, 1, 3]):
+        rows_cpu = rows_on("cpu", table, seq_lens, slots, levels)
+        dec.refresh_masks_reference(params, want, q, cache, rows_cpu, scale)
+        rows.levels.copy_(rows_cpu.levels)
+        q_dev.copy_(q)
+        flag.fill_(any(0 <= lv < 3 for lv in levels))
+        graph.replay()
+        assert_masks_equal(got, want, slots)
+        q = torch.randn(q.shape, generator=gen)
+    before = [t.clone() for t in (got.final, got.counts, *got.inputs[1:])]
+    rows.levels.fill_(0)
+    q_dev.copy_(q)
+    flag.fill_(False)
+    graph.replay()
+    after = [got.final, got.counts, *got.inputs[1:]]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    flag.fill_(True)  # the same replay with the flag set does refresh
+    graph.replay()
+    assert not torch.equal(got.final, before[0])

@@ -88,7 +88,8 @@ def _kernel_assign(slots: DecodeSlots, table: torch.Tensor, lens: torch.Tensor):
     out = [torch.full((b + 2,), 99, dtype=torch.int32, device=DEVICE) for _ in range(3)]
     triton_slots.assign_slots(
         table.to(DEVICE), lens.to(DEVICE), THRESHOLD, BLOCK, slots.key_block, slots.seq_len,
-        slots.step, slots._intervals_dev, slots.level_counts, *(o[:b] for o in out),
+        slots.step, slots._intervals_dev, slots.level_counts, slots.refreshing,
+        *(o[:b] for o in out),
     )  # fmt: skip
     assert all((o[b:] == 99).all() for o in out), "wrote past the batch"
     return [o[:b].cpu() for o in out]
@@ -100,7 +101,7 @@ def test_kernel_matches_the_pytorch_spec_on_random_traffic(seed):
     traffic = Traffic(rng)
     spec = DecodeSlots(5, INTERVALS, torch.device("cpu"))
     kern = DecodeSlots(5, INTERVALS, DEVICE)
-    seen_levels = set()
+    seen_levels, seen_flags = set(), set()
     for _ in range(40):
         table, lens = traffic.step()
         if lens.numel() == 0:
@@ -110,6 +111,10 @@ def test_kernel_matches_the_pytorch_spec_on_random_traffic(seed):
         assert got_slots.tolist() == want_slots.tolist()
         assert got_levels.tolist() == want_levels.tolist()
         assert got_lens.tolist() == lens.tolist()
+        refreshing = any(0 <= lv < len(INTERVALS) for lv in want_levels.tolist())
+        assert bool(spec.refreshing) == refreshing
+        assert bool(kern.refreshing.cpu()) == refreshing
+        seen_flags.add(refreshing)
         live = spec.key_block >= 0
         assert kern.key_block.cpu().tolist() == spec.key_block.tolist()
         assert kern.seq_len.cpu()[live].tolist() == spec.seq_len[live].tolist()
@@ -118,6 +123,7 @@ def test_kernel_matches_the_pytorch_spec_on_random_traffic(seed):
     assert kern.level_counts.cpu().tolist() == spec.level_counts.tolist()
     # the traffic exercised every level, rows without a slot, and slot overflow
     assert seen_levels >= {-1, 0, 1, 2, 3}
+    assert seen_flags == {False, True}  # steps where no row refreshes, and steps where one does
 
 
 def _table(rows):
@@ -138,5 +144,6 @@ def test_kernel_matches_the_spec_when_rows_claim_one_slot(num_slots):
         got_slots, got_levels, _ = _kernel_assign(kern, table, lens)
         assert got_slots.tolist() == want_slots.tolist()
         assert got_levels.tolist() == want_levels.tolist()
+        assert bool(kern.refreshing.cpu()) == bool(spec.refreshing)
         assert kern.key_block.cpu().tolist() == spec.key_block.tolist()
     assert kern.level_counts.cpu().tolist() == spec.level_counts.tolist()

@@ -219,6 +219,8 @@ class StepPlan:
     # how many planned fill entries this step's layers scan (set by the builder): the decode
     # rows' share of the plan, not its capacity, since every entry is a program even when empty
     bank_fill_entries: int = 0
+    # each layer's place in the group (its cascade's region of the gate in DecodeScratch)
+    layer_order: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -280,11 +282,14 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             )  # fmt: skip
             workspace = torch.empty(n, dtype=torch.float32, device=device)
             arrivals = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        slots = DecodeSlots(max_rows, self.config.refresh_intervals, device)
         self.plan = StepPlan(
-            DecodeSlots(max_rows, self.config.refresh_intervals, device), masks,
-            DecodeScratch(scores, workspace, arrivals),
+            slots, masks,
+            DecodeScratch(scores, workspace, arrivals,
+                          gate=_cascade_gate(self.config, slots, len(layer_names), device)),
             prefill_threshold(self.config, device, extension, trained,
                               kv_fp8=is_fp8_kv(vllm_config.cache_config.cache_dtype)),
+            layer_order={name: i for i, name in enumerate(layer_names)},
         )  # fmt: skip
         if self.config.offload.enabled:
             self._setup_tier(vllm_config, kv_cache_spec, layer_names, any_params, device)
@@ -471,6 +476,22 @@ class InfiniteHiPBackend(AttentionBackend):
         return False
 
 
+def _cascade_gate(
+    config: InfiniteHiPConfig, slots: DecodeSlots, n_layers: int, device: torch.device
+) -> object | None:
+    """The gate that lets a captured decode graph skip every layer's pruning cascade on steps
+    where no row refreshes (28 of 32 with the default schedule): CUDA only, where conditional
+    graph nodes work, and not with ``tp_mask: "global"``, whose collectives stay in the main
+    graph."""
+    if device.type != "cuda" or _score_reduce(config) is not None:
+        return None
+    from vllm_infinitehip.kernels.graph_if import GraphIf, conditional_graphs_work
+
+    if not conditional_graphs_work(device):
+        return None
+    return GraphIf(slots.refreshing, n_layers)
+
+
 def _score_reduce(config: InfiniteHiPConfig) -> ref.ScoreReduce | None:
     """``tp_mask: "global"``: the max of each stage's scores over the TP group, through vLLM's
     own group collective (gloo on the CPU; on CUDA the communicator graphs capture)."""
@@ -595,6 +616,7 @@ class InfiniteHiPImpl(AttentionImpl):
         self._scratch = dataclasses.replace(
             plan.scratch, placement=placement,
             bank=bank.layer(self._bank_layer) if bank is not None else None,
+            gate_region=plan.layer_order[layer.layer_name],
         )  # fmt: skip
 
     def _rope_plan(self, layer_index: int) -> ref.RopePlan | None:

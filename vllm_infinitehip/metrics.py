@@ -69,9 +69,11 @@ def collect_stats(worker: Any, reset: bool = False) -> dict[str, Any]:
     counters, so ask between steps, not per token).
 
     Use through vLLM's own RPC: ``llm.collective_rpc(collect_stats)``. Returns a dict with the
-    summed counters, ``layers`` (the number of layers that contributed) and ``live_slots`` (decode
+    summed counters, ``layers`` (the number of layers that contributed), ``live_slots`` (decode
     state slots owned now: a finished, aborted or preempted request's slot is freed at the next
-    step).
+    step) and ``decode_graph_gated_layers`` (layers whose pruning cascade a captured decode graph
+    skips on steps that refresh no mask: all of them on a GPU where CUDA's conditional graph
+    nodes work, see kernels/graph_if.py).
     """
     return stats_of_impls(_impls(worker), reset=reset)
 
@@ -90,9 +92,10 @@ def stats_of_impls(impls: list, reset: bool = False) -> dict[str, Any]:
         total.sparse_context_pairs += context
         if reset:
             impl.pairs.zero_()
-    live = 0
+    live = gated = 0
     tier: dict[str, int] = {}
     for plan, n_layers in plans.values():
+        gated += n_layers if plan.scratch.gate is not None else 0
         if plan.bank is not None:
             for key, value in plan.bank.stats(reset=reset).items():
                 tier[key] = tier.get(key, 0) + value
@@ -111,7 +114,8 @@ def stats_of_impls(impls: list, reset: bool = False) -> dict[str, Any]:
         if reset:
             c.reset()
             plan.slots.level_counts.zero_()
-    out = {**total.to_dict(), "layers": len(impls), "live_slots": live}
+    out = {**total.to_dict(), "layers": len(impls), "live_slots": live,
+           "decode_graph_gated_layers": gated}  # fmt: skip
     if tier:
         out["tier"] = {**tier, **tier_ratios(tier)}
     return out

@@ -66,6 +66,9 @@ class DecodeSlots:
         self.step = torch.zeros(num_slots + 1, **i32)
         # decode rows by refresh level, 0..N-1 and N = reuse (entry N + 1: rows with no slot)
         self.level_counts = torch.zeros(n_stages + 2, dtype=torch.int64, device=device)
+        # whether any row of the last assign reruns a pruning stage: a captured decode graph
+        # skips the cascade when it is 0 (kernels/graph_if.py)
+        self.refreshing = torch.zeros(1, dtype=torch.bool, device=device)
         self._slot_ids = torch.arange(num_slots, dtype=torch.int64, device=device)
         # made here, not in a step: nothing is copied from the host while graphs are captured
         self._intervals_dev = torch.tensor(self.intervals, **i32)
@@ -89,8 +92,9 @@ class DecodeSlots:
         slot) and ``levels`` (``LEVEL_NONE`` for rows without a slot). ``out``: int32 buffers
         ``(slots, levels, seq_lens)`` of at least ``B`` entries that receive the rows' slots,
         levels and lengths (the builder's persistent per-row buffers, which captured graphs
-        read); the returned tensors are then views of them. On CUDA this is one Triton launch
-        (:mod:`kernels.triton_slots`); elsewhere the PyTorch ops below, its spec.
+        read); the returned tensors are then views of them. :attr:`refreshing` becomes whether
+        any row reruns a stage. On CUDA this is one Triton launch (:mod:`kernels.triton_slots`);
+        elsewhere the PyTorch ops below, its spec.
         """
         batch = seq_lens.shape[0]
         if out is None:
@@ -102,7 +106,7 @@ class DecodeSlots:
 
             assign_slots(
                 block_table, seq_lens, threshold, block_size, self.key_block, self.seq_len,
-                self.step, self._intervals_dev, self.level_counts, out_slots,
+                self.step, self._intervals_dev, self.level_counts, self.refreshing, out_slots,
                 out_levels, out_seq_lens,
             )  # fmt: skip
             return out_slots, out_levels
@@ -160,6 +164,7 @@ class DecodeSlots:
         levels = torch.where(slots >= 0, refresh_levels(steps, self.intervals), LEVEL_NONE)
         bins = torch.where(levels >= 0, levels, self.n_stages + 1).to(torch.int64)
         self.level_counts.index_add_(0, bins, torch.ones_like(bins))
+        self.refreshing.copy_(((levels >= 0) & (levels < self.n_stages)).any().view(1))
         return slots.to(torch.int32), levels.to(torch.int32)
 
     def release_all(self) -> None:

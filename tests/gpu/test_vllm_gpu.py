@@ -68,11 +68,14 @@ GRAPHS = {k: v for k, v in ENGINE.items() if k != "enforce_eager"}
 
 def test_cuda_graphs_on_and_off_give_the_same_greedy_tokens(tmp_path):
     """vLLM's default FULL_AND_PIECEWISE mode captures infinitehip decode in full graphs; the
-    replayed cascade (every refresh level inside one graph) must give the eager tokens."""
+    replayed cascade (every refresh level inside one graph, each layer's behind a conditional
+    node that skips it on steps refreshing nothing) must give the eager tokens."""
     hip = {"additional_config": {"infinitehip": SMALL}}
     eager = generate(tmp_path, "infinitehip", {**ENGINE, **hip}, max_tokens=24)
     graphs = generate(tmp_path, "infinitehip", {**GRAPHS, **hip}, max_tokens=24)
-    assert graphs["report"]["stats"]["sparse_decode_queries"] > 0
+    stats = graphs["report"]["stats"]
+    assert stats["sparse_decode_queries"] > 0
+    assert stats["decode_graph_gated_layers"] == stats["layers"] > 0
     assert graphs["report"]["stats"]["refreshes"] == eager["report"]["stats"]["refreshes"]
     assert graphs["tokens"] == eager["tokens"]
 
