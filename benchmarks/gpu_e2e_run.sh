@@ -5,6 +5,8 @@
 #   run(command="bash benchmarks/gpu_e2e_run.sh vllm-tests [-k EXPR]") the vLLM GPU tests alone
 #   run(command="bash benchmarks/gpu_e2e_run.sh e2e [e2e.py args]") the end-to-end benchmark
 #   run(command="bash benchmarks/gpu_e2e_run.sh attention [contexts]") the kernel benchmark
+#   run(command="bash benchmarks/gpu_e2e_run.sh decode-check")  decode kernels' tests, their
+#                   per-kernel breakdown at 512K (gated and ungated) and the vLLM graph tests
 #   run(command="bash benchmarks/gpu_e2e_run.sh tier-tests")            the host tier's GPU tests
 #   run(command="bash benchmarks/gpu_e2e_run.sh offload [offload.py args]") the host-tier benchmark
 # Logs and results land in $OUT.
@@ -49,6 +51,14 @@ case $what in
     # results go straight to $OUTDIR (written after each engine), so a cut-short run keeps them
     python3 benchmarks/offload.py --out "$OUTDIR" "$@" 2>&1 | tee "$OUTDIR/offload.log" \
       | grep -E "^\[offload\]|^\||Error|error" | tail -60 ;;
+  decode-check)
+    timeout 200 $PYTEST tests/test_triton_decode.py tests/test_triton_slots.py 2>&1 \
+      | tee "$OUTDIR/gpu-tests.log" | tail -4
+    timeout 240 python3 benchmarks/decode_breakdown.py --out "$OUTDIR" --variants default ungated \
+      "$@" 2>&1 | tee "$OUTDIR/decode-breakdown.log" | grep -E "^\[breakdown\]|^\||Error" | tail -12
+    timeout 300 $PYTEST -x -rA tests/gpu/test_vllm_gpu.py -k "cuda_graphs_on_and_off or mixed_refresh" \
+      2>&1 | tee "$OUTDIR/gpu-vllm-tests.log" | grep -E "passed|failed|Error|assert" \
+      | grep -vE "^(INFO|WARNING|DEBUG)" | tail -10 ;;
   attention)
     BASELINES=fa3 python3 benchmarks/attention.py --out "$OUTDIR" --baselines fa3 ${@:+--contexts "$@"} \
       2>&1 | tee "$OUTDIR/attention.log" | tail -40 ;;

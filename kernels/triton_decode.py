@@ -7,13 +7,15 @@ Per layer and stage, one launch serves all decode rows, whatever their refresh l
   of one KV group (scores max-reduced in registers); programs meet in an atomic max into
   ``scores[row, chunk]``. ``HEADS = 1``: each bisection step waits on its gathered keys, so more
   programs in flight beat sharing the group's first probes (the heads diverge after one step).
-- The row's last program to finish (an atomic arrival counter per row, zeroed again by that
-  program) runs :func:`_keep_top`: it keeps the row's top ``keep`` chunks by score, in position
-  order, and splits them into the next stage's chunks (or, after the last stage, writes the
-  final blocks) in the row's state slot. It resets the scores it read to -inf, so the scratch
-  needs no clearing launch. A stage wider than ``FUSED_TOP_MAX_CHUNKS``, or one whose scores
-  are combined over TP ranks first, runs the same function as :func:`_top_chunks_kernel`
-  (grid: rows), a launch of its own.
+- :func:`_keep_top` keeps the row's top ``keep`` chunks by score, in position order, and splits
+  them into the next stage's chunks (or, after the last stage, writes the final blocks) in the
+  row's state slot. It resets the scores it read to -inf, so the scratch needs no clearing
+  launch. It runs as :func:`_top_chunks_kernel` (grid: rows), a launch of its own, where the
+  backend gates the cascade in its decode graphs (:mod:`kernels.graph_if`: steps that refresh
+  nothing skip every launch, so the faster refresh wins); otherwise, in the row's last
+  SelectRep program to finish (an atomic arrival counter per row, zeroed again by that program),
+  except for a stage wider than ``FUSED_TOP_MAX_CHUNKS`` or one whose scores are combined over
+  TP ranks first.
 
 A row takes part in stage ``i`` only if its refresh level is ``<= i`` (``-1``: a row without a
 slot takes part in nothing), so the launch sequence is the same for every step and can be
