@@ -110,10 +110,10 @@ class GraphIf:
 
     @contextlib.contextmanager
     def region(self, index: int) -> Iterator[None]:
-        stream = torch.cuda.current_stream(self.flag.device)
-        if not stream.is_capturing():
+        if not torch.cuda.is_current_stream_capturing():
             yield
             return
+        stream = torch.cuda.current_stream(self.flag.device)
         from cuda.bindings import driver
 
         s = driver.CUstream(stream.cuda_stream)
