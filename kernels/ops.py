@@ -54,6 +54,9 @@ class DecodeScratch:
     # layer's cascade, region ``gate_region``, when no row refreshes
     gate: object | None = None
     gate_region: int = 0
+    # float32 [2, max rows, H_q, D] (GPU, RoPE extension on): the queries the pruning stages
+    # score with, placed by the layer's RoPE style inside the gate (nothing allocated there)
+    queries: torch.Tensor | None = None
 
 
 class AttentionOps(Protocol):
@@ -188,7 +191,8 @@ class TritonOps:
                                     v_scale=v_scale, reduce_scores=self.reduce_scores,
                                     arrivals=scratch.arrivals,
                                     gate=gate.region(scratch.gate_region) if gate else None,
-                                    fuse_top=gate is None)  # fmt: skip
+                                    fuse_top=gate is None,
+                                    query_buffers=scratch.queries)  # fmt: skip
 
     def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch, *,
                       k_scale=None, v_scale=None):  # fmt: skip

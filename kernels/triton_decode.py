@@ -507,11 +507,82 @@ def top_chunks(
     )  # fmt: skip
 
 
+@triton.jit
+def _place_queries_kernel(
+    q_ptr,
+    seq_lens_ptr,
+    left_ptr,
+    right_ptr,
+    rope_hi_ptr,
+    rope_lo_ptr,
+    rope_bias,
+    rope_n_hi,
+    scale,
+    n_heads,
+    head_dim,
+    left_turn,
+    right_turn,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_ob,
+    stride_oh,
+    ROT_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    LO_BITS: tl.constexpr,
+    RIGHT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One row's queries, scaled and turned from their true position to where the style places
+    them: by ``turn - (seq_len - 1)`` in one rotation (rotations compose exactly)."""
+    b = tl.program_id(0)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_in = offs_h < n_heads
+    m = h_in[:, None] & (offs_d < head_dim)[None, :]
+    partner, freq, sign, rot = rope_pair_layout(offs_d, ROT_DIM, IS_NEOX)
+    row = q_ptr + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
+    x = tl.load(row + offs_d[None, :] * stride_qd, mask=m, other=0.0).to(tl.float32) * scale
+    xp = tl.load(row + partner[None, :] * stride_qd, mask=m, other=0.0).to(tl.float32) * scale
+    pos = tl.load(seq_lens_ptr + b).to(tl.int32) - 1
+    out = b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
+    cos, sin = delta_cos_sin(left_turn - pos + offs_h * 0, h_in, freq, rot, rope_hi_ptr,
+                             rope_lo_ptr, rope_bias, rope_n_hi, ROT_DIM // 2, LO_BITS)  # fmt: skip
+    tl.store(left_ptr + out, rotate_pairs(x, xp, cos, sin, sign), mask=m)
+    if RIGHT:
+        cos, sin = delta_cos_sin(right_turn - pos + offs_h * 0, h_in, freq, rot, rope_hi_ptr,
+                                 rope_lo_ptr, rope_bias, rope_n_hi, ROT_DIM // 2,
+                                 LO_BITS)  # fmt: skip
+        tl.store(right_ptr + out, rotate_pairs(x, xp, cos, sin, sign), mask=m)
+
+
+def place_queries(
+    q: torch.Tensor, seq_lens: torch.Tensor, scale: float, placement: QueryPlacement,
+    tables: object, out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """:func:`decode_queries` as one launch into ``out`` (float32 ``[2, >= B, H, D]``,
+    contiguous rows), so that it allocates nothing and can sit in a graph gate's body.
+    ``tables``: :func:`triton_rope.delta_tables` covering ``max(seq_lens) + sw' + 1``."""
+    batch, hq, d = q.shape
+    left, right = out[0, :batch], out[1, :batch]
+    relative = placement.style == ROPE_RELATIVE
+    _place_queries_kernel[(batch,)](
+        q, seq_lens, left, right, tables.hi, tables.lo, tables.bias, tables.n_hi, scale, hq, d,
+        placement.left_turn, placement.right_turn, *q.stride(), left.stride(0), left.stride(1),
+        ROT_DIM=placement.table.rotary_dim, IS_NEOX=placement.table.is_neox, LO_BITS=LO_BITS,
+        RIGHT=relative, BLOCK_H=triton.next_power_of_2(hq),
+        BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
+    )  # fmt: skip
+    return left, right if relative else None
+
+
 def decode_queries(
     q: torch.Tensor, seq_lens: torch.Tensor, scale: float, placement: QueryPlacement
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The scaled fp32 decode queries the pruning stages score with when they are placed by a
-    RoPE style, and the right-branch ones of the relative style (§2); no host sync."""
+    RoPE style, and the right-branch ones of the relative style (§2); no host sync. The
+    PyTorch reference of :func:`place_queries`."""
     from .rope import apply_rotation, rotate
 
     qs = q.float() * scale
@@ -527,7 +598,8 @@ def decode_queries(
 @dataclass(frozen=True)
 class QueryPlacement:
     """A layer's RoPE style in the pruning stages, with the fixed query turns of the relative
-    style precomputed on the device (nothing is built during a CUDA-graph capture)."""
+    style (as position deltas for the kernel, and precomputed on the device for the reference:
+    nothing is built during a CUDA-graph capture)."""
 
     style: int
     table: object
@@ -535,6 +607,8 @@ class QueryPlacement:
     left_sin: torch.Tensor | None = None
     right_cos: torch.Tensor | None = None
     right_sin: torch.Tensor | None = None
+    left_turn: int = 0
+    right_turn: int = 0
 
     @classmethod
     def build(
@@ -551,9 +625,12 @@ class QueryPlacement:
         if code != ROPE_RELATIVE:
             return cls(code, table)
         pos = relative_positions(scan_window)
-        lc, ls = rope_cos_sin(int(pos.query_pos - pos.left_probe_pos), table)
-        rc, rs = rope_cos_sin(int(pos.query_pos - pos.right_probe_pos), table)
-        return cls(code, table, lc.to(device), ls.to(device), rc.to(device), rs.to(device))
+        left = int(pos.query_pos - pos.left_probe_pos)
+        right = int(pos.query_pos - pos.right_probe_pos)
+        lc, ls = rope_cos_sin(left, table)
+        rc, rs = rope_cos_sin(right, table)
+        return cls(code, table, lc.to(device), ls.to(device), rc.to(device), rs.to(device),
+                   left, right)  # fmt: skip
 
 
 def refresh_masks(
@@ -573,6 +650,7 @@ def refresh_masks(
     arrivals: torch.Tensor | None = None,
     gate: contextlib.AbstractContextManager | None = None,
     fuse_top: bool = True,
+    query_buffers: torch.Tensor | None = None,
 ) -> None:
     """Rerun every stage at or after each row's refresh level, from its stored input (§1.6).
 
@@ -592,8 +670,10 @@ def refresh_masks(
     ``arrivals``: int32 ``[>= B]`` at zero (left so), the fused top-k's per-row arrival
     counters; a caller that captures graphs preallocates it.
     ``gate``: a context the launches run in (a :class:`graph_if.GraphIf` region, which a
-    captured graph skips when no row refreshes); what it needs to be allocation-free, the
-    placed queries and the arrival counters, is made before it.
+    captured graph skips when no row refreshes); what it needs to be allocation-free (the
+    arrival counters, the placed queries' buffers) is made before it.
+    ``query_buffers``: float32 ``[2, >= B, H_q, D]`` for the queries a RoPE style places
+    (:func:`place_queries`); a caller that captures graphs preallocates it.
     ``fuse_top``: rank each stage in its SelectRep launch (saves a launch per stage on steps
     that refresh nothing, whose programs exit at once) or in a launch of its own (a faster
     refresh: the fused ranking raises SelectRep's register count; the choice where a gate
@@ -605,11 +685,12 @@ def refresh_masks(
     hkv = kv_cache.shape[3]
     page_size = kv_cache.shape[2]
     if placement is not None:
-        q_left, q_right = decode_queries(q, rows.seq_lens, scale, placement)
-        q_scale = 1.0  # already scaled
         check_layout(placement.table, d)
         capacity = rows.block_table.shape[1] * page_size
         tables = delta_tables(placement.table, 2 * capacity + scores[0].shape[1] + 1, q.device)
+        if query_buffers is None:
+            query_buffers = torch.empty(2, batch, hq, d, dtype=torch.float32, device=q.device)
+        q_scale = 1.0  # placed queries are scaled
         rope_args = (tables.hi, tables.lo, tables.bias, tables.n_hi)
         rope_meta = dict(ROPE_STYLE=placement.style, ROT_DIM=placement.table.rotary_dim,
                          IS_NEOX=placement.table.is_neox)  # fmt: skip
@@ -629,6 +710,9 @@ def refresh_masks(
     # the placed queries, tables and counters above are made outside: a gate's body must not
     # allocate (graph_if.py)
     with gate or contextlib.nullcontext():
+        if placement is not None:  # only a refresh scores: reuse steps skip this too
+            q_left, q_right = place_queries(q, rows.seq_lens, scale, placement, tables,
+                                            query_buffers)  # fmt: skip
         for i, st in enumerate(params.stages):
             width = scores[i].shape[1]
             cand, out, keep, top_meta = _top_args(scores[i], masks, params, i)

@@ -328,6 +328,37 @@ def test_fp8_cache_cascade_and_attention_equal_reference(rope_style, k_scale):
         td.refresh_masks(params, got, q.to(dev), stored.to(dev), rows, d**-0.5, scores, placement)
 
 
+
+@pytest.mark.parametrize("style", ["relative", "chunk-indexed"])
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_place_queries_equals_decode_queries(style, is_neox):
+    """The one-launch query placement (what a gated cascade runs) against its PyTorch reference:
+    scaled, un-rotated from the true position and turned to the style's query position (one
+    rotation there, two here), for NeoX and GPT-J pairs and a partial rotary dimension."""
+    from vllm_infinitehip.kernels.triton_rope import delta_tables
+
+    gen = torch.Generator().manual_seed(5)
+    d, hq = 32, 4
+    inv_freq = RopeTable.default(24, 10000.0).inv_freq  # rotary_dim 24 < head size 32
+    table = RopeTable(inv_freq, is_neox)
+    placement = td.QueryPlacement.build(style, table, 768, torch.device(DEVICE))
+    q = torch.randn(3, hq, d, generator=gen).to(torch.bfloat16)
+    seq_lens = torch.tensor([1500, 40, 700_000], dtype=torch.int32)
+    want_l, want_r = td.decode_queries(q, seq_lens, 0.17, placement if DEVICE == "cpu" else
+                                       td.QueryPlacement.build(style, table, 768,
+                                                               torch.device("cpu")))  # fmt: skip
+    out = torch.full((2, 5, hq, d), float("nan"), device=DEVICE)
+    tables = delta_tables(table, 2 * 700_000, torch.device(DEVICE))
+    got_l, got_r = td.place_queries(q.to(DEVICE), seq_lens.to(DEVICE), 0.17, placement, tables,
+                                    out)  # fmt: skip
+    assert torch.allclose(got_l.cpu(), want_l, rtol=0, atol=2e-5)
+    if style == "relative":
+        assert torch.allclose(got_r.cpu(), want_r, rtol=0, atol=2e-5)
+    else:
+        assert got_r is None
+    assert torch.isnan(out[:, 3:]).all()  # nothing past the batch
+
+
 @pytest.mark.skipif(INTERPRETED or not HAS_CUDA, reason="CUDA graphs need a GPU; the CPU twins "
                     "are the flag (test_triton_slots.py) and the unfused cascade (above)")
 def test_a_captured_cascade_behind_a_gate_runs_only_when_the_flag_is_set():

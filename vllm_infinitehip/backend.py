@@ -269,23 +269,25 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         }
         any_params = next(iter(params.values()))
         scores = dec.allocate_scores(dec.stage_widths(any_params, max_len), max_rows, device)
-        workspace = arrivals = None
+        workspace = arrivals = queries = None
         if device.type == "cuda":
             from vllm_infinitehip.kernels.triton_bsa import decode_workspace_floats
 
             model = vllm_config.model_config
+            heads = model.get_num_attention_heads(vllm_config.parallel_config)
             max_keys = (self.config.sink_tokens + self.config.window_tokens
                         + final_keep)  # a row's keys: sink, window, final blocks
-            n = decode_workspace_floats(
-                max_rows, model.get_num_attention_heads(vllm_config.parallel_config),
-                model.get_head_size(), max_keys, rope=True,
-            )  # fmt: skip
+            n = decode_workspace_floats(max_rows, heads, model.get_head_size(), max_keys,
+                                        rope=True)  # fmt: skip
             workspace = torch.empty(n, dtype=torch.float32, device=device)
             arrivals = torch.zeros(max_rows, dtype=torch.int32, device=device)
+            if extension:
+                queries = torch.empty(2, max_rows, heads, model.get_head_size(),
+                                      dtype=torch.float32, device=device)  # fmt: skip
         slots = DecodeSlots(max_rows, self.config.refresh_intervals, device)
         self.plan = StepPlan(
             slots, masks,
-            DecodeScratch(scores, workspace, arrivals,
+            DecodeScratch(scores, workspace, arrivals, queries=queries,
                           gate=_cascade_gate(self.config, slots, len(layer_names), device)),
             prefill_threshold(self.config, device, extension, trained,
                               kv_fp8=is_fp8_kv(vllm_config.cache_config.cache_dtype)),

@@ -66,11 +66,14 @@ SMALL = {"sink_tokens": 32, "window_tokens": 256, "dense_threshold": 512, "dense
 GRAPHS = {k: v for k, v in ENGINE.items() if k != "enforce_eager"}
 
 
-def test_cuda_graphs_on_and_off_give_the_same_greedy_tokens(tmp_path):
+@pytest.mark.parametrize("trained_context", [None, 1024], ids=["no-extension", "extension"])
+def test_cuda_graphs_on_and_off_give_the_same_greedy_tokens(tmp_path, trained_context):
     """vLLM's default FULL_AND_PIECEWISE mode captures infinitehip decode in full graphs; the
     replayed cascade (every refresh level inside one graph, each layer's behind a conditional
-    node that skips it on steps refreshing nothing) must give the eager tokens."""
-    hip = {"additional_config": {"infinitehip": SMALL}}
+    node that skips it on steps refreshing nothing; with RoPE extension, the query placement
+    inside it too) must give the eager tokens."""
+    cfg = SMALL if trained_context is None else {**SMALL, "trained_context": trained_context}
+    hip = {"additional_config": {"infinitehip": cfg}}
     eager = generate(tmp_path, "infinitehip", {**ENGINE, **hip}, max_tokens=24)
     graphs = generate(tmp_path, "infinitehip", {**GRAPHS, **hip}, max_tokens=24)
     stats = graphs["report"]["stats"]
