@@ -56,7 +56,7 @@ case $what in
       | tee "$OUTDIR/gpu-tests.log" | tail -4
     timeout 240 python3 benchmarks/decode_breakdown.py --out "$OUTDIR" --variants default ungated \
       "$@" 2>&1 | tee "$OUTDIR/decode-breakdown.log" | grep -E "^\[breakdown\]|^\||Error" | tail -12
-    timeout 300 $PYTEST -x -rA tests/gpu/test_vllm_gpu.py -k "cuda_graphs_on_and_off or mixed_refresh" \
+    timeout 300 $PYTEST -x -rA tests/gpu/test_vllm_gpu.py -k "cuda_graphs_on_and_off" \
       2>&1 | tee "$OUTDIR/gpu-vllm-tests.log" | grep -E "passed|failed|Error|assert" \
       | grep -vE "^(INFO|WARNING|DEBUG)" | tail -10 ;;
   attention)
