@@ -74,10 +74,13 @@ def graphed(fn):
 
 
 def per_layer(times: list[tuple[str, float]], layers: int) -> list[tuple[str, float]]:
-    """A ``layers``-layer graph's kernels folded to one layer's (mean per position)."""
-    n = len(times) // layers
-    return [(times[i][0], sum(times[j * n + i][1] for j in range(layers)) / layers)
-            for i in range(n)]  # fmt: skip
+    """A ``layers``-layer graph's kernels folded to one layer's: each kernel's total over the
+    graph / ``layers``, in order of first launch (a once-per-step launch, like the gate's
+    handle setter, counts 1/``layers`` of itself)."""
+    total: dict[str, float] = {}
+    for name, us in times:
+        total[name] = total.get(name, 0.0) + us
+    return [(name, us / layers) for name, us in total.items()]
 
 
 def run_variant(t: int, cfg: InfiniteHiPConfig, layer, gated: bool) -> dict:
