@@ -144,19 +144,6 @@ def prune_params(cfg: InfiniteHiPConfig) -> ref.PruneParams:
     return ref.PruneParams(cfg.sink_tokens, cfg.window_tokens, stages, cfg.probe)
 
 
-def decode_state(params: ref.PruneParams, t: int, table: torch.Tensor):
-    """One decode row's device state at context ``t``: (seq_lens, block table, masks, stage
-    scores, rows at refresh level 0, arrival counters), preallocated as the backend's are (no
-    memset in a graph)."""
-    seq_lens = torch.tensor([t], device="cuda", dtype=torch.int32)
-    btab = table.view(1, -1)
-    masks = dec.DecodeMasks.allocate(params, params.stages[-1].keep_tokens, 1, table.device)
-    scores = dec.allocate_scores(dec.stage_widths(params, t), 1, table.device)
-    i32 = dict(dtype=torch.int32, device="cuda")
-    rows = dec.DecodeRows(btab, seq_lens, torch.zeros(1, **i32), torch.zeros(1, **i32))
-    return seq_lens, btab, masks, scores, rows, torch.zeros(1, **i32)
-
-
 class DecodeLayer:
     """One decode row's layer as the backend runs it: the pruning cascade, then split-K
     attention through the row's slot. ``gated`` (the backend where CUDA's conditional graph
@@ -167,8 +154,16 @@ class DecodeLayer:
     def __init__(self, params: ref.PruneParams, t: int, table, q, kv, scale: float,
                  gated: bool = True) -> None:  # fmt: skip
         self.params, self.q, self.kv, self.scale = params, q, kv, scale
-        (self.seq_lens, self.btab, self.masks, self.scores, self.rows,
-         self.arrivals) = decode_state(params, t, table)  # fmt: skip
+        # the row's device state, preallocated as the backend's is (no memset in a graph)
+        i32 = dict(dtype=torch.int32, device="cuda")
+        self.seq_lens = torch.tensor([t], **i32)
+        self.btab = table.view(1, -1)
+        self.masks = dec.DecodeMasks.allocate(params, params.stages[-1].keep_tokens, 1,
+                                              table.device)  # fmt: skip
+        self.scores = dec.allocate_scores(dec.stage_widths(params, t), 1, table.device)
+        self.rows = dec.DecodeRows(self.btab, self.seq_lens, torch.zeros(1, **i32),
+                                   torch.zeros(1, **i32))  # fmt: skip
+        self.arrivals = torch.zeros(1, **i32)
         self.n_stages = len(params.stages)
         self.flag = torch.ones(1, dtype=torch.bool, device="cuda")
         # a gate per graph shape: each capture must open every region of its gate

@@ -65,12 +65,16 @@ def _check(result: tuple) -> tuple:
     return tuple(out)
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 _KERNELS: dict[int, object] = {}  # device index -> CUfunction
 
 
 def _set_handles_kernel(device: torch.device) -> object:
     """The handle-setting kernel on ``device`` (NVRTC, loaded once; never during a capture)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     if index in _KERNELS:
         return _KERNELS[index]
     from cuda.bindings import driver, nvrtc
@@ -190,7 +194,7 @@ def conditional_graphs_work(device: torch.device) -> bool:
     device = torch.device(device)
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     if index not in _WORKS:
         problem = None
         try:

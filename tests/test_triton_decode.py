@@ -328,7 +328,6 @@ def test_fp8_cache_cascade_and_attention_equal_reference(rope_style, k_scale):
         td.refresh_masks(params, got, q.to(dev), stored.to(dev), rows, d**-0.5, scores, placement)
 
 
-
 @pytest.mark.parametrize("style", ["relative", "chunk-indexed"])
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_place_queries_equals_decode_queries(style, is_neox):
@@ -344,9 +343,8 @@ def test_place_queries_equals_decode_queries(style, is_neox):
     placement = td.QueryPlacement.build(style, table, 768, torch.device(DEVICE))
     q = torch.randn(3, hq, d, generator=gen).to(torch.bfloat16)
     seq_lens = torch.tensor([1500, 40, 700_000], dtype=torch.int32)
-    want_l, want_r = td.decode_queries(q, seq_lens, 0.17, placement if DEVICE == "cpu" else
-                                       td.QueryPlacement.build(style, table, 768,
-                                                               torch.device("cpu")))  # fmt: skip
+    reference = td.QueryPlacement.build(style, table, 768, torch.device("cpu"))
+    want_l, want_r = td.decode_queries(q, seq_lens, 0.17, reference)
     out = torch.full((2, 5, hq, d), float("nan"), device=DEVICE)
     tables = delta_tables(table, 2 * 700_000, torch.device(DEVICE))
     got_l, got_r = td.place_queries(q.to(DEVICE), seq_lens.to(DEVICE), 0.17, placement, tables,
