@@ -26,6 +26,7 @@ benchmarks/plot.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -152,7 +153,20 @@ class DecodeLayer:
     cascade launches every step with the top-k fused into SelectRep."""
 
     def __init__(self, params: ref.PruneParams, t: int, table, q, kv, scale: float,
-                 gated: bool = True) -> None:  # fmt: skip
+                 gated: bool = True, rope_pruning: str | None = None) -> None:  # fmt: skip
+        # rope_pruning: serve past the trained length (§2), the pruning stages in this style
+        # ("relative" or "chunk-indexed") and block-sparse attention StreamingLLM-style
+        self.placement = self.query_buffers = None
+        if rope_pruning is not None:
+            from vllm_infinitehip.kernels.rope import RopeTable
+            from vllm_infinitehip.kernels.triton_decode import QueryPlacement
+
+            rope = ref.RopePlan(RopeTable.default(D, 500000.0), pruning=rope_pruning,
+                                bsa="streaming")  # fmt: skip
+            params = dataclasses.replace(params, rope=rope)
+            self.placement = QueryPlacement.build(rope_pruning, rope.table, params.scan_window,
+                                                  q.device)  # fmt: skip
+            self.query_buffers = torch.empty(2, 1, HQ, D, dtype=torch.float32, device=q.device)
         self.params, self.q, self.kv, self.scale = params, q, kv, scale
         # the row's device state, preallocated as the backend's is (no memset in a graph)
         i32 = dict(dtype=torch.int32, device="cuda")
@@ -180,14 +194,14 @@ class DecodeLayer:
             self.q, self.kv, self.btab, self.seq_lens, self.masks.final,
             self.masks.final_counts(), block_size_k=p.block_size_k, sink_tokens=p.sink_tokens,
             window_tokens=p.window_tokens, scale=self.scale, row_slots=self.rows.slots,
-            num_splits=num_splits,
+            num_splits=num_splits, rope=p.rope.table if p.rope is not None else None,
         )  # fmt: skip
 
     def step(self, region: int = 0, layers: int = 1):
         gate = self.gates[layers].region(region) if self.gates else None
         refresh_masks(self.params, self.masks, self.q, self.kv, self.rows, self.scale,
-                      self.scores, arrivals=self.arrivals, gate=gate,
-                      fuse_top=self.gates is None)  # fmt: skip
+                      self.scores, self.placement, arrivals=self.arrivals, gate=gate,
+                      fuse_top=self.gates is None, query_buffers=self.query_buffers)  # fmt: skip
         return self.attend()
 
     def model_step(self) -> list:

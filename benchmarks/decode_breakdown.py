@@ -2,6 +2,7 @@
 parameters (GPU).
 
     python benchmarks/decode_breakdown.py [--contexts 524288] [--out benchmarks/results]
+        [--rope-pruning relative|chunk-indexed]
 
 Llama-3-8B layer shapes and the paged layout of ``benchmarks/attention.py`` (its ``make_layer``),
 preset ``3k-fast``. For each variant (a set of the kernels' module-level launch parameters) and
@@ -83,10 +84,12 @@ def per_layer(times: list[tuple[str, float]], layers: int) -> list[tuple[str, fl
     return [(name, us / layers) for name, us in total.items()]
 
 
-def run_variant(t: int, cfg: InfiniteHiPConfig, layer, gated: bool) -> dict:
+def run_variant(t: int, cfg: InfiniteHiPConfig, layer, gated: bool,
+                rope_pruning: str | None = None) -> dict:  # fmt: skip
     params = ab.prune_params(cfg)
     kv, table, q, _ = layer
-    dl = ab.DecodeLayer(params, t, table, q, kv, ab.D**-0.5, gated=gated)
+    dl = ab.DecodeLayer(params, t, table, q, kv, ab.D**-0.5, gated=gated,
+                        rope_pruning=rope_pruning)  # fmt: skip
     n_stages = dl.n_stages
     out = dl.step().clone()  # level 0: fills the stored stage inputs
     row = {"levels": {}, "gated": gated}
@@ -139,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[524288])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--rope-pruning", choices=("relative", "chunk-indexed"), default=None,
+                    help="serve past the trained length: pruning in this RoPE style, "
+                         "block-sparse attention StreamingLLM-style (results file -ext)")
     args = ap.parse_args(argv)
     cfg = InfiniteHiPConfig.from_user({"preset": "3k-fast"})
     date = datetime.date.today().isoformat()
@@ -154,13 +160,14 @@ def main(argv: list[str] | None = None) -> int:
             for (mod, attr), value in patch.items():
                 setattr(mod, attr, value)
             try:
-                r = run_variant(t, cfg, layer, gated)
+                r = run_variant(t, cfg, layer, gated, args.rope_pruning)
             finally:
                 for (mod, attr), value in saved.items():
                     setattr(mod, attr, value)
             out = r.pop("out")
             base_out = out if base_out is None else base_out
             r.update(context=t, variant=name, decode_us_dense=dense_us,
+                     rope_pruning=args.rope_pruning,
                      max_abs_diff_vs_first=float((out.float() - base_out.float()).abs().max()),
                      speedup_vs_dense_amortized=dense_us / r["amortized_in_graph_us"])  # fmt: skip
             rows.append(r)
@@ -179,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
               "rows": rows}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"decode-breakdown-gpu-{date}.json"
+    path = out / f"decode-breakdown-gpu-{date}{'-ext' if args.rope_pruning else ''}.json"
     path.write_text(json.dumps(result, indent=1))
     from plot import plot_decode_breakdown
 

@@ -7,6 +7,8 @@
 #   run(command="bash benchmarks/gpu_e2e_run.sh attention [contexts]") the kernel benchmark
 #   run(command="bash benchmarks/gpu_e2e_run.sh decode-check")  decode kernels' tests, their
 #                   per-kernel breakdown at 512K (gated and ungated) and the vLLM graph tests
+#   run(command="bash benchmarks/gpu_e2e_run.sh ext-check")     the kernel tests, and the decode
+#                   layer's breakdown at 128K past the trained length (relative pruning)
 #   run(command="bash benchmarks/gpu_e2e_run.sh tier-tests")            the host tier's GPU tests
 #   run(command="bash benchmarks/gpu_e2e_run.sh offload [offload.py args]") the host-tier benchmark
 # Logs and results land in $OUT.
@@ -59,6 +61,12 @@ case $what in
     timeout 300 $PYTEST -x -rA tests/gpu/test_vllm_gpu.py -k "cuda_graphs_on_and_off" \
       2>&1 | tee "$OUTDIR/gpu-vllm-tests.log" | grep -E "passed|failed|Error|assert" \
       | grep -vE "^(INFO|WARNING|DEBUG)" | tail -10 ;;
+  ext-check)
+    timeout 300 $PYTEST tests/test_triton_decode.py tests/test_triton_bsa.py tests/test_triton_prune.py \
+      2>&1 | tee "$OUTDIR/gpu-tests.log" | tail -4
+    timeout 240 python3 benchmarks/decode_breakdown.py --out "$OUTDIR" --contexts 131072 \
+      --rope-pruning relative --variants default tile64x2 tile128x1w8 "$@" 2>&1 \
+      | tee "$OUTDIR/decode-breakdown-ext.log" | grep -E "^\[breakdown\]|^\||Error|    " | tail -30 ;;
   attention)
     BASELINES=fa3 python3 benchmarks/attention.py --out "$OUTDIR" --baselines fa3 ${@:+--contexts "$@"} \
       2>&1 | tee "$OUTDIR/attention.log" | tail -40 ;;

@@ -37,10 +37,10 @@ from .rope import RopeTable
 from .triton_rope import (
     LO_BITS,
     check_layout,
-    delta_cos_sin,
     delta_tables,
-    rope_pair_layout,
-    rotate_pairs,
+    load_split,
+    rotate_split,
+    split_blocks,
 )
 
 __all__ = ["sparse_decode_attention", "sparse_prefill_attention"]
@@ -147,44 +147,91 @@ def _load_kv(
 
 
 @triton.jit
-def _rotate_keys(
-    k,
+def _attend_rows(
+    q,
     rows,
     ok,
+    acc,
+    m_i,
+    l_i,
+    offs_d,
     d_ok,
+    stride_kv,
+    stride_d,
+    k_scale,
+    v_scale,
+    qk_scale,
+    cap_log2e,
+    inv_cap_scale,
+    KV_FP8: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """:func:`_attend` over the keys at ``rows`` (:func:`paged_rows`) as cached."""
+    k, v = _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d, k_scale, v_scale, KV_FP8)
+    return _attend(q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
+                   USE_SOFT_CAP, DOT_PRECISION)  # fmt: skip
+
+
+@triton.jit
+def _attend_rotated(
+    q,
+    qa,
+    qb,
+    qp,
+    rows,
+    ok,
     delta,
-    partner,
-    freq,
-    sign,
-    rot,
+    acc,
+    m_i,
+    l_i,
+    stride_kv,
+    stride_d,
+    offs_d,
+    d_ok,
+    head_dim,
     rope_hi_ptr,
     rope_lo_ptr,
     rope_bias,
     rope_n_hi,
-    stride_d,
-    HALF: tl.constexpr,
-    LO_BITS: tl.constexpr,
     k_scale,
+    v_scale,
+    qk_scale,
+    cap_log2e,
+    inv_cap_scale,
     KV_FP8: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    LO_BITS: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Keys ``k`` (loaded from ``rows``, :func:`paged_rows`) rotated by ``delta`` each, in k's
-    dtype.
+    """:func:`_attend` over the keys at ``rows`` (:func:`paged_rows`) turned by ``delta`` each
+    (identity where ``delta == 0``), all rows of the tile valid where ``ok``.
 
-    The pair partners are a second load of the same rows (dequantized like ``k`` with
-    ``KV_FP8``). The result is rounded back to k's dtype, as the reference rotates a key in
-    float32 and returns the dtype it gathered (the cache's; float32 for an fp8 cache).
-    """
-    k_pair = tl.load(
-        rows[:, None] + partner[None, :] * stride_d,
-        mask=ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+    The queries come split as :func:`triton_rope.load_split` splits the keys (``qa``, ``qb``,
+    ``qp``; ``q`` whole gives the dtype of P.V): the scores are one ``tl.dot`` per part. Each
+    turned key is rounded to the cache's dtype first, as a rotated cache would hold it (an fp8
+    cache's keys are float32 once dequantized)."""
+    ka, kb, kp = load_split(rows, ok, stride_d, head_dim, k_scale, KV_FP8, ROT_DIM, IS_NEOX,
+                            BLOCK_F, BLOCK_P)  # fmt: skip
+    ka, kb = rotate_split(ka, kb, delta, ok, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
+                          ROT_DIM, LO_BITS, BLOCK_F)  # fmt: skip
+    if not KV_FP8:
+        ka = ka.to(rows.dtype.element_ty)
+        kb = kb.to(rows.dtype.element_ty)
+    s = tl.dot(qa, tl.trans(ka.to(qa.dtype)), input_precision=DOT_PRECISION)
+    s += tl.dot(qb, tl.trans(kb.to(qa.dtype)), input_precision=DOT_PRECISION)
+    if BLOCK_P > 0:
+        s += tl.dot(qp, tl.trans(kp.to(qa.dtype)), input_precision=DOT_PRECISION)
+    v = tl.load(rows[:, None] + stride_kv + offs_d[None, :] * stride_d,
+                mask=ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
     if KV_FP8:
-        k_pair = k_pair.to(tl.float32) * k_scale
-    cos, sin = delta_cos_sin(
-        delta, ok, freq, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, HALF, LO_BITS
-    )
-    return rotate_pairs(k, k_pair, cos, sin, sign).to(k.dtype)
+        v = v.to(tl.float32) * v_scale
+    return _softmax_step(q, s, v, ok[None, :], acc, m_i, l_i, qk_scale, cap_log2e,
+                         inv_cap_scale, USE_SOFT_CAP, DOT_PRECISION)  # fmt: skip
 
 
 @triton.jit
@@ -205,6 +252,27 @@ def _attend(
     """One online-softmax step over a key tile; ``valid`` is ``[rows, keys]``."""
     k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    return _softmax_step(q, s, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
+                         USE_SOFT_CAP, DOT_PRECISION)  # fmt: skip
+
+
+@triton.jit
+def _softmax_step(
+    q,
+    s,
+    v,
+    valid,
+    acc,
+    m_i,
+    l_i,
+    qk_scale,
+    cap_log2e,
+    inv_cap_scale,
+    USE_SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """:func:`_attend` from the raw scores ``s`` ``[rows, keys]`` on (q gives the dtype of
+    P.V)."""
     if USE_SOFT_CAP:
         s = cap_log2e * _tanh(s * inv_cap_scale)
     else:
@@ -277,6 +345,8 @@ def _decode_split_kernel(
     ROT_DIM: tl.constexpr,
     IS_NEOX: tl.constexpr,
     LO_BITS: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -334,7 +404,10 @@ def _decode_split_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     starts_row = starts_ptr + mask_row * stride_sb
     if STREAMING:
-        partner, freq, sign, rot = rope_pair_layout(offs_d, ROT_DIM, IS_NEOX)
+        # The query split as the keys are for their rotation (triton_rope.load_split).
+        q_rows = q_ptr + b * stride_qb + heads * stride_qh
+        qa, qb, qp = load_split(q_rows, h_ok, stride_qd, HEAD_DIM, 1.0, False, ROT_DIM, IS_NEOX,
+                                BLOCK_F, BLOCK_P)  # fmt: skip
         # Streaming position of far-key slot j (sink tokens, then selected tokens):
         # max(0, j + first), so the last slot lands at p - n_stream (rope.streaming_positions).
         first = pos - window_tokens - sink_tokens - n_valid * BLOCK_K + 1
@@ -370,21 +443,29 @@ def _decode_split_kernel(
             kv_ptr, bt_row, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
             bank_ptr, table_ptr, stride_slot, PAGE_SIZE, HAS_BANK,
         )  # fmt: skip
-        k, v = _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d, k_scale, v_scale, KV_FP8)
+        # (constexpr branches outermost: the compiler visits both sides of a runtime branch)
         if STREAMING:
             far = ok & ((vi < sink_len) | ~in_sw)
             if tl.max(far.to(tl.int32), axis=0) > 0:  # window-only tiles keep true positions
                 slot = tl.where(in_sw, vi, sel_slot0 + vs)
                 delta = tl.where(far, tl.maximum(slot + first, 0) - t, 0)
-                k = _rotate_keys(
-                    k, rows, far, d_ok, delta, partner, freq, sign, rot, rope_hi_ptr,
-                    rope_lo_ptr, rope_bias, rope_n_hi, stride_d, ROT_DIM // 2, LO_BITS,
-                    k_scale, KV_FP8,
+                acc, m_i, l_i = _attend_rotated(
+                    q, qa, qb, qp, rows, ok, delta, acc, m_i, l_i, stride_kv, stride_d, offs_d,
+                    d_ok, HEAD_DIM, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, k_scale,
+                    v_scale, qk_scale, cap_log2e, inv_cap_scale, KV_FP8, ROT_DIM, IS_NEOX,
+                    LO_BITS, BLOCK_F, BLOCK_P, USE_SOFT_CAP, DOT_PRECISION,
                 )  # fmt: skip
-        acc, m_i, l_i = _attend(
-            q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
-            USE_SOFT_CAP, DOT_PRECISION,
-        )  # fmt: skip
+            else:
+                acc, m_i, l_i = _attend_rows(
+                    q, rows, ok, acc, m_i, l_i, offs_d, d_ok, stride_kv, stride_d, k_scale,
+                    v_scale, qk_scale, cap_log2e, inv_cap_scale, KV_FP8, USE_SOFT_CAP,
+                    DOT_PRECISION,
+                )  # fmt: skip
+        else:
+            acc, m_i, l_i = _attend_rows(
+                q, rows, ok, acc, m_i, l_i, offs_d, d_ok, stride_kv, stride_d, k_scale, v_scale,
+                qk_scale, cap_log2e, inv_cap_scale, KV_FP8, USE_SOFT_CAP, DOT_PRECISION,
+            )  # fmt: skip
 
     # Every partial is written, empty splits included (lse = -inf, o = 0), so the merge never
     # reads stale scratch.
@@ -444,6 +525,9 @@ def _decode_merge_kernel(
 @triton.jit
 def _prefill_streaming(
     q,
+    qa,
+    qb,
+    qp,
     acc,
     m_i,
     l_i,
@@ -482,6 +566,9 @@ def _prefill_streaming(
     ROT_DIM: tl.constexpr,
     IS_NEOX: tl.constexpr,
     LO_BITS: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     k_scale,
     v_scale,
     KV_FP8: tl.constexpr,
@@ -495,7 +582,6 @@ def _prefill_streaming(
     and seen by every query of the block. Far tokens at or past ``win_lo`` are dropped, but
     they keep their slot.
     """
-    partner, freq, sign, rot = rope_pair_layout(offs_d, ROT_DIM, IS_NEOX)
     win_lo = tl.maximum(p_min - window_tokens + 1, 0)
     first = p_min - window_tokens - sink_tokens - n_sel + 1
     sel_slot0 = tl.minimum(sink_tokens, seq_len)
@@ -511,15 +597,12 @@ def _prefill_streaming(
             kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
             kv_ptr, bt_ptr, 0, PAGE_SIZE, False,
         )  # fmt: skip
-        k, v = _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d, k_scale, v_scale, KV_FP8)
         delta = tl.maximum(sel_slot0 + vi + first, 0) - t
-        k = _rotate_keys(
-            k, rows, ok, d_ok, delta, partner, freq, sign, rot, rope_hi_ptr, rope_lo_ptr,
-            rope_bias, rope_n_hi, stride_d, ROT_DIM // 2, LO_BITS, k_scale, KV_FP8,
-        )  # fmt: skip
-        acc, m_i, l_i = _attend(
-            q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
-            USE_SOFT_CAP, DOT_PRECISION,
+        acc, m_i, l_i = _attend_rotated(
+            q, qa, qb, qp, rows, ok, delta, acc, m_i, l_i, stride_kv, stride_d, offs_d, d_ok,
+            HEAD_DIM, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, k_scale, v_scale,
+            qk_scale, cap_log2e, inv_cap_scale, KV_FP8, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F,
+            BLOCK_P, USE_SOFT_CAP, DOT_PRECISION,
         )  # fmt: skip
 
     # 2. Sink tokens before the window, at slots 0, 1, ...
@@ -531,15 +614,12 @@ def _prefill_streaming(
             kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
             kv_ptr, bt_ptr, 0, PAGE_SIZE, False,
         )  # fmt: skip
-        k, v = _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d, k_scale, v_scale, KV_FP8)
         delta = tl.maximum(t + first, 0) - t
-        k = _rotate_keys(
-            k, rows, ok, d_ok, delta, partner, freq, sign, rot, rope_hi_ptr, rope_lo_ptr,
-            rope_bias, rope_n_hi, stride_d, ROT_DIM // 2, LO_BITS, k_scale, KV_FP8,
-        )  # fmt: skip
-        acc, m_i, l_i = _attend(
-            q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
-            USE_SOFT_CAP, DOT_PRECISION,
+        acc, m_i, l_i = _attend_rotated(
+            q, qa, qb, qp, rows, ok, delta, acc, m_i, l_i, stride_kv, stride_d, offs_d, d_ok,
+            HEAD_DIM, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, k_scale, v_scale,
+            qk_scale, cap_log2e, inv_cap_scale, KV_FP8, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F,
+            BLOCK_P, USE_SOFT_CAP, DOT_PRECISION,
         )  # fmt: skip
 
     # 3. The block's window at true positions, causal per query.
@@ -608,6 +688,8 @@ def _prefill_kernel(
     ROT_DIM: tl.constexpr,
     IS_NEOX: tl.constexpr,
     LO_BITS: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
     qb = tl.program_id(0)
@@ -637,13 +719,16 @@ def _prefill_kernel(
     starts_row = starts_ptr + qb.to(tl.int64) * stride_sb
     n_sel = tl.load(nvalid_ptr + qb).to(tl.int32) * BLOCK_K
     if STREAMING:
+        q_rows = q_ptr + qi.to(tl.int64) * stride_qn + h * stride_qh
+        qa, qb_, qp = load_split(q_rows, q_ok, stride_qd, HEAD_DIM, 1.0, False, ROT_DIM, IS_NEOX,
+                                 BLOCK_F, BLOCK_P)  # fmt: skip
         acc, m_i, l_i = _prefill_streaming(
-            q, acc, m_i, l_i, kv_ptr, bt_ptr, starts_row, n_sel, pos, p_min, p_max, seq_len,
+            q, qa, qb_, qp, acc, m_i, l_i, kv_ptr, bt_ptr, starts_row, n_sel, pos, p_min, p_max, seq_len,
             kv_head, offs_d, d_ok, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
             stride_page, stride_kv, stride_tok, stride_head, stride_d, stride_btp, stride_sk,
             sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale,
             BLOCK_N, BLOCK_K, PAGE_SIZE, USE_SOFT_CAP, DOT_PRECISION, ROT_DIM, IS_NEOX, LO_BITS,
-            k_scale, v_scale, KV_FP8,
+            BLOCK_F, BLOCK_P, HEAD_DIM, k_scale, v_scale, KV_FP8,
         )  # fmt: skip
     else:
         # 1. Selected blocks: outside the sink, outside each query's window (which implies
@@ -755,10 +840,13 @@ def _streaming_args(
     request that table can describe.
     """
     if rope is None:  # q stands in for the tables: the compiled-out code never reads them
-        return (q, q, 0, 1), dict(STREAMING=False, ROT_DIM=0, IS_NEOX=True, LO_BITS=LO_BITS)
+        return (q, q, 0, 1), dict(STREAMING=False, ROT_DIM=0, IS_NEOX=True, LO_BITS=LO_BITS,
+                                  BLOCK_F=16, BLOCK_P=0)  # fmt: skip
     check_layout(rope, head_dim)
     tables = delta_tables(rope, capacity, q.device)
-    meta = dict(STREAMING=True, ROT_DIM=rope.rotary_dim, IS_NEOX=rope.is_neox, LO_BITS=LO_BITS)
+    block_f, block_p = split_blocks(rope.rotary_dim, head_dim)
+    meta = dict(STREAMING=True, ROT_DIM=rope.rotary_dim, IS_NEOX=rope.is_neox, LO_BITS=LO_BITS,
+                BLOCK_F=block_f, BLOCK_P=block_p)  # fmt: skip
     return (tables.hi, tables.lo, tables.bias, tables.n_hi), meta
 
 

@@ -47,8 +47,11 @@ from .triton_rope import (
     check_layout,
     delta_cos_sin,
     delta_tables,
+    load_split,
     rope_pair_layout,
     rotate_pairs,
+    rotate_split,
+    split_blocks,
 )
 
 ROPE_NONE, ROPE_RELATIVE, ROPE_CHUNK_INDEXED = 0, 1, 2
@@ -67,6 +70,37 @@ _ROPE_CODES = {"none": ROPE_NONE, "relative": ROPE_RELATIVE, "chunk-indexed": RO
 
 # --------------------------------------------------------------------------- kernels
 @triton.jit
+def _load_query(
+    q_ptr,
+    offs_d,
+    d_in,
+    stride_qd,
+    head_dim,
+    scale,
+    ROPE: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """One query (fp32, times ``scale``) as :func:`_probe` takes it: whole, or with ``ROPE``
+    split as :func:`triton_rope.load_split` splits the keys, each part ``[1, block]``."""
+    # one return: the compiler checks every return statement's types, constexpr branches too
+    if ROPE:
+        qa, qb, qp = load_split(q_ptr + tl.zeros([1], tl.int64), tl.full([1], True, tl.int1),
+                                stride_qd, head_dim, 1.0, False, ROT_DIM, IS_NEOX, BLOCK_F,
+                                BLOCK_P)  # fmt: skip
+        qa = qa.to(tl.float32) * scale
+        qb = qb.to(tl.float32) * scale
+        qp = qp.to(tl.float32) * scale
+    else:
+        qa = tl.load(q_ptr + offs_d * stride_qd, mask=d_in, other=0.0).to(tl.float32) * scale
+        qb = qa
+        qp = qa
+    return qa, qb, qp
+
+
+@triton.jit
 def _probe(
     kv_ptr,
     bt_row,
@@ -74,18 +108,17 @@ def _probe(
     pos,
     mask,
     kv_head,
-    q,
+    qa,
+    qb,
+    qp,
     offs_d,
     d_in,
+    head_dim,
     stride_kpage,
     stride_ktok,
     stride_khead,
     stride_kd,
     delta,
-    partner,
-    freq,
-    sign,
-    rot,
     rope_hi_ptr,
     rope_lo_ptr,
     rope_bias,
@@ -95,36 +128,41 @@ def _probe(
     stride_slot,
     PAGE_SIZE: tl.constexpr,
     ROPE: tl.constexpr,
-    HALF: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
     LO_BITS: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     HAS_BANK: tl.constexpr,
     k_scale,
     KV_FP8: tl.constexpr,
 ):
-    """q . k (fp32) of one query at each key position in ``pos``, keys turned by ``delta``.
-    With ``HAS_BANK``, keys of pages the residency table places in the bank are read there.
-    With ``KV_FP8`` the keys and their pair partners are e4m3 (bank pages too), dequantized
+    """q . k (fp32) of one query (:func:`_load_query`'s parts) at each key position in ``pos``,
+    keys turned by ``delta``. With ``HAS_BANK``, keys of pages the residency table places in
+    the bank are read there. With ``KV_FP8`` the keys are e4m3 (bank pages too), dequantized
     as ``float32(k) * k_scale`` before anything else."""
     rows = paged_rows(
         kv_ptr, bt_row, stride_btp, pos, mask, kv_head, stride_kpage, stride_ktok, stride_khead,
         bank_ptr, table_ptr, stride_slot, PAGE_SIZE, HAS_BANK,
     )  # fmt: skip
-    m2 = mask[:, None] & d_in[None, :]
-    k = tl.load(rows[:, None] + offs_d[None, :] * stride_kd, mask=m2, other=0.0)
-    k = k.to(tl.float32)
-    if KV_FP8:
-        k = k * k_scale
-    if ROPE:
-        k_pair = tl.load(rows[:, None] + partner[None, :] * stride_kd, mask=m2, other=0.0)
-        if KV_FP8:
-            k_pair = k_pair.to(tl.float32) * k_scale
-        cos, sin = delta_cos_sin(
-            delta, mask, freq, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, HALF, LO_BITS
-        )
-        k = rotate_pairs(k, k_pair, cos, sin, sign)
     # One query: an fp32 product-sum, exact like the reference's fp32 matmul (no tensor cores
     # needed for a single row).
-    return tl.sum(k * q[None, :], axis=1)
+    if ROPE:
+        ka, kb, kp = load_split(rows, mask, stride_kd, head_dim, k_scale, KV_FP8, ROT_DIM,
+                                IS_NEOX, BLOCK_F, BLOCK_P)  # fmt: skip
+        ka, kb = rotate_split(ka, kb, delta, mask, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
+                              ROT_DIM, LO_BITS, BLOCK_F)  # fmt: skip
+        s = tl.sum(ka * qa + kb * qb, axis=1)
+        if BLOCK_P > 0:
+            s += tl.sum(kp.to(tl.float32) * qp, axis=1)
+    else:
+        m2 = mask[:, None] & d_in[None, :]
+        k = tl.load(rows[:, None] + offs_d[None, :] * stride_kd, mask=m2, other=0.0)
+        k = k.to(tl.float32)
+        if KV_FP8:
+            k = k * k_scale
+        s = tl.sum(k * qa[None, :], axis=1)
+    return s
 
 
 @triton.jit
@@ -207,6 +245,8 @@ def _decode_select_kernel(
     ROT_DIM: tl.constexpr,
     IS_NEOX: tl.constexpr,
     LO_BITS: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     BLOCK_CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_BANK: tl.constexpr,
@@ -254,21 +294,13 @@ def _decode_select_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_in = offs_d < head_dim
     ROPE: tl.constexpr = ROPE_STYLE != 0
-    if ROPE:
-        partner, freq, sign, rot = rope_pair_layout(offs_d, ROT_DIM, IS_NEOX)
-        if ROPE_STYLE == 2:
-            # chunk-indexed: chunk j's keys at ordinal j, the query at min(p, C + sw'); keys
-            # cached at t turn by (j - q_pos) - t
-            q_pos = tl.minimum(seq_len - 1, width + scan_window)
-            base = offs_c - q_pos
-        else:  # relative: every probe key to position 0 (the queries carry the distances)
-            base = offs_c * 0
-    else:  # placeholders; every use is compiled out
-        partner = offs_d
-        freq = offs_d
-        sign = offs_d.to(tl.float32)
-        rot = d_in
-        base = offs_c
+    if ROPE_STYLE == 2:
+        # chunk-indexed: chunk j's keys at ordinal j, the query at min(p, C + sw'); keys
+        # cached at t turn by (j - q_pos) - t
+        q_pos = tl.minimum(seq_len - 1, width + scan_window)
+        base = offs_c - q_pos
+    else:  # relative: every probe key to position 0 (the queries carry the distances)
+        base = offs_c * 0
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     if KV_FP8:
         k_scale = tl.load(k_scale_ptr)
@@ -279,13 +311,13 @@ def _decode_select_kernel(
     for g in tl.static_range(HEADS):
         head = head_block * HEADS + g
         q_row = b.to(tl.int64) * stride_qb + head * stride_qh
-        q = tl.load(q_ptr + q_row + offs_d * stride_qd, mask=d_in, other=0.0).to(tl.float32)
-        q = q * q_scale
+        qa, qb, qp = _load_query(q_ptr + q_row, offs_d, d_in, stride_qd, head_dim, q_scale,
+                                 ROPE, ROT_DIM, IS_NEOX, BLOCK_F, BLOCK_P)  # fmt: skip
         if ROPE_STYLE == 1:
-            q_r = tl.load(q_right_ptr + q_row + offs_d * stride_qd, mask=d_in, other=0.0)
-            q_r = q_r.to(tl.float32)
+            ra, rb, rp = _load_query(q_right_ptr + q_row, offs_d, d_in, stride_qd, head_dim,
+                                     q_scale, ROPE, ROT_DIM, IS_NEOX, BLOCK_F, BLOCK_P)  # fmt: skip
         else:
-            q_r = q
+            ra, rb, rp = qa, qb, qp
         left = start
         right = right0
         best = tl.full([BLOCK_CHUNK], float("-inf"), tl.float32)
@@ -299,16 +331,18 @@ def _decode_select_kernel(
                 p_left = left
                 p_right = mid
             s_left = _probe(
-                kv_ptr, bt_row, stride_btp, p_left, live, kv_head, q, offs_d, d_in,
-                stride_kpage, stride_ktok, stride_khead, stride_kd, base - p_left, partner, freq,
-                sign, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr,
-                stride_slot, PAGE_SIZE, ROPE, ROT_DIM // 2, LO_BITS, HAS_BANK, k_scale, KV_FP8,
+                kv_ptr, bt_row, stride_btp, p_left, live, kv_head, qa, qb, qp, offs_d, d_in,
+                head_dim, stride_kpage, stride_ktok, stride_khead, stride_kd, base - p_left,
+                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr, stride_slot,
+                PAGE_SIZE, ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, HAS_BANK, k_scale,
+                KV_FP8,
             )  # fmt: skip
             s_right = _probe(
-                kv_ptr, bt_row, stride_btp, p_right, live, kv_head, q_r, offs_d, d_in,
-                stride_kpage, stride_ktok, stride_khead, stride_kd, base - p_right, partner, freq,
-                sign, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr,
-                stride_slot, PAGE_SIZE, ROPE, ROT_DIM // 2, LO_BITS, HAS_BANK, k_scale, KV_FP8,
+                kv_ptr, bt_row, stride_btp, p_right, live, kv_head, ra, rb, rp, offs_d, d_in,
+                head_dim, stride_kpage, stride_ktok, stride_khead, stride_kd, base - p_right,
+                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr, stride_slot,
+                PAGE_SIZE, ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, HAS_BANK, k_scale,
+                KV_FP8,
             )  # fmt: skip
             # Strictly greater goes left, so a tie descends right, as in the reference.
             go_left = s_left > s_right
@@ -319,10 +353,11 @@ def _decode_select_kernel(
         single = c_in & (best == float("-inf"))
         if tl.max(single.to(tl.int32), axis=0) > 0:
             s_single = _probe(
-                kv_ptr, bt_row, stride_btp, left, single, kv_head, q, offs_d, d_in,
-                stride_kpage, stride_ktok, stride_khead, stride_kd, base - left, partner, freq,
-                sign, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr,
-                stride_slot, PAGE_SIZE, ROPE, ROT_DIM // 2, LO_BITS, HAS_BANK, k_scale, KV_FP8,
+                kv_ptr, bt_row, stride_btp, left, single, kv_head, qa, qb, qp, offs_d, d_in,
+                head_dim, stride_kpage, stride_ktok, stride_khead, stride_kd, base - left,
+                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr, stride_slot,
+                PAGE_SIZE, ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, HAS_BANK, k_scale,
+                KV_FP8,
             )  # fmt: skip
             best = tl.where(single, s_single, best)
         best_all = tl.maximum(best_all, best)
@@ -692,13 +727,14 @@ def refresh_masks(
             query_buffers = torch.empty(2, batch, hq, d, dtype=torch.float32, device=q.device)
         q_scale = 1.0  # placed queries are scaled
         rope_args = (tables.hi, tables.lo, tables.bias, tables.n_hi)
+        block_f, block_p = split_blocks(placement.table.rotary_dim, d)
         rope_meta = dict(ROPE_STYLE=placement.style, ROT_DIM=placement.table.rotary_dim,
-                         IS_NEOX=placement.table.is_neox)  # fmt: skip
+                         IS_NEOX=placement.table.is_neox, BLOCK_F=block_f, BLOCK_P=block_p)
     else:
         # the kernel scales the queries as it loads them: no conversion launches per layer
         q_left, q_right, q_scale = q, None, scale
         rope_args = (q_left, q_left, 0, 1)
-        rope_meta = dict(ROPE_STYLE=ROPE_NONE, ROT_DIM=0, IS_NEOX=True)
+        rope_meta = dict(ROPE_STYLE=ROPE_NONE, ROT_DIM=0, IS_NEOX=True, BLOCK_F=16, BLOCK_P=0)
     bank_pages, bank_table = check_bank(bank, kv_cache)
     kv_cache, k_sc, _, kv_fp8 = kv_quant_args(kv_cache, k_scale, v_scale)
     bank_pages = fp8_view(bank_pages)

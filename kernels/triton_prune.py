@@ -32,11 +32,12 @@ from .triton_bsa import kv_quant_args
 from .triton_rope import (
     LO_BITS,
     check_layout,
-    delta_cos_sin,
     delta_tables,
-    rope_pair_layout,
+    load_split,
+    pair_dims,
     rope_table_on,
-    rotate_pairs,
+    rotate_split,
+    split_blocks,
 )
 
 PROBES = ("midpoint", "first")
@@ -49,18 +50,17 @@ def _probe_scores(
     block_table_ptr,
     pos,
     mask,
-    q_t,
+    qa_t,
+    qb_t,
+    qp_t,
     q_absent,
     offs_d,
     d_in,
+    head_dim,
     stride_kpage,
     stride_ktok,
     stride_kd,
     delta,
-    partner,
-    freq,
-    sign,
-    rot,
     rope_hi_ptr,
     rope_lo_ptr,
     rope_bias,
@@ -69,51 +69,85 @@ def _probe_scores(
     FAST_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
     ROPE: tl.constexpr,
-    HALF: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
     LO_BITS: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     k_scale,
     KV_FP8: tl.constexpr,
 ):
     """Per position in ``pos``: max over the block's present queries of q·k at that key.
 
-    With ``ROPE`` each key is first rotated by its ``delta`` (cos/sin from the delta tables).
-    With ``KV_FP8`` the keys (and pair partners) are e4m3, dequantized as
-    ``float32(k) * k_scale`` before anything else, so the rest is the fp32-key arithmetic.
+    Without ``ROPE`` the queries are ``qa_t`` ``[D, n_q]`` (the other two are unused). With
+    ``ROPE`` each key is first rotated by its ``delta`` (cos/sin from the delta tables), and
+    keys and queries come split by the rotation pairs (:func:`triton_rope.load_split`; the
+    queries ``[part, n_q]``): one product per part. With ``KV_FP8`` the keys are e4m3,
+    dequantized as ``float32(k) * k_scale`` before anything else, so the rest is the fp32-key
+    arithmetic.
     """
     page = tl.load(block_table_ptr + pos // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
     # int64: a large cache spans more than 2**31 elements.
-    row = page * stride_kpage + (pos % PAGE_SIZE).to(tl.int64) * stride_ktok
-    k = tl.load(
-        k_head_ptr + row[:, None] + offs_d[None, :] * stride_kd,
-        mask=mask[:, None] & d_in[None, :],
-        other=0.0,
-    )
-    if KV_FP8:
-        k = k.to(tl.float32) * k_scale
+    rows = k_head_ptr + page * stride_kpage + (pos % PAGE_SIZE).to(tl.int64) * stride_ktok
     if ROPE:
-        # The pair partners come from a second load of the same rows (cache hits), which
-        # works for any head size, pairing and partial rotary, unlike an in-register shuffle.
-        k_pair = tl.load(
-            k_head_ptr + row[:, None] + partner[None, :] * stride_kd,
-            mask=mask[:, None] & d_in[None, :],
-            other=0.0,
-        )
-        if KV_FP8:
-            k_pair = k_pair.to(tl.float32) * k_scale
-        cos, sin = delta_cos_sin(
-            delta, mask, freq, rot, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, HALF, LO_BITS
-        )
-        k = rotate_pairs(k, k_pair, cos, sin, sign)
-    if FAST_DOT:
-        # Tensor-core precision: 16-bit keys as stored (q_t was cast to match), or tf32.
-        # Rotated keys are rounded back to that dtype first, as a rotated cache would hold them.
-        s = tl.dot(k.to(q_t.dtype), q_t)
+        ka, kb, kp = load_split(rows, mask, stride_kd, head_dim, k_scale, KV_FP8, ROT_DIM,
+                                IS_NEOX, BLOCK_F, BLOCK_P)  # fmt: skip
+        ka, kb = rotate_split(ka, kb, delta, mask, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
+                              ROT_DIM, LO_BITS, BLOCK_F)  # fmt: skip
+        if FAST_DOT:
+            # Rotated keys are rounded to the queries' dtype, as a rotated cache would hold them.
+            s = tl.dot(ka.to(qa_t.dtype), qa_t)
+            s += tl.dot(kb.to(qa_t.dtype), qb_t)
+            if BLOCK_P > 0:
+                s += tl.dot(kp.to(qa_t.dtype), qp_t)
+        else:
+            s = tl.dot(ka, qa_t, input_precision=PRECISION)
+            s += tl.dot(kb, qb_t, input_precision=PRECISION)
+            if BLOCK_P > 0:
+                s += tl.dot(kp.to(tl.float32), qp_t, input_precision=PRECISION)
     else:
-        # fp32 like the reference: exact upcast of the keys, then IEEE products (FMA) or
-        # tf32x3, whose split operands reach fp32 accuracy on tensor cores.
-        s = tl.dot(k.to(tl.float32), q_t, input_precision=PRECISION)
+        k = tl.load(rows[:, None] + offs_d[None, :] * stride_kd,
+                    mask=mask[:, None] & d_in[None, :], other=0.0)  # fmt: skip
+        if KV_FP8:
+            k = k.to(tl.float32) * k_scale
+        if FAST_DOT:
+            # Tensor-core precision: 16-bit keys as stored (q_t was cast to match), or tf32.
+            s = tl.dot(k.to(qa_t.dtype), qa_t)
+        else:
+            # fp32 like the reference: exact upcast of the keys, then IEEE products (FMA) or
+            # tf32x3, whose split operands reach fp32 accuracy on tensor cores.
+            s = tl.dot(k.to(tl.float32), qa_t, input_precision=PRECISION)
     s = tl.where(q_absent[None, :], float("-inf"), s)
     return tl.max(s, axis=1)
+
+
+@triton.jit
+def _load_split_queries_t(q_ptr, blk, head, offs_q, offs_d, d_in, head_dim, n_q, stride_qb,
+                          stride_qh, stride_qn, stride_qd, ROPE: tl.constexpr,
+                          ROT_DIM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_F: tl.constexpr,
+                          BLOCK_P: tl.constexpr):  # fmt: skip
+    """:func:`_load_queries_t` whole (three times the same; ``ROPE`` off), or split by the
+    rotation pairs as :func:`_probe_scores` takes them."""
+    if ROPE:
+        offs_f = tl.arange(0, BLOCK_F)
+        first, second = pair_dims(offs_f, ROT_DIM, IS_NEOX)
+        f_in = offs_f < ROT_DIM // 2
+        qa_t, q_absent = _load_queries_t(q_ptr, blk, head, offs_q, first, f_in, n_q, stride_qb,
+                                         stride_qh, stride_qn, stride_qd)  # fmt: skip
+        qb_t, _ = _load_queries_t(q_ptr, blk, head, offs_q, second, f_in, n_q, stride_qb,
+                                  stride_qh, stride_qn, stride_qd)  # fmt: skip
+        if BLOCK_P > 0:
+            offs_p = ROT_DIM + tl.arange(0, BLOCK_P)
+            qp_t, _ = _load_queries_t(q_ptr, blk, head, offs_q, offs_p, offs_p < head_dim, n_q,
+                                      stride_qb, stride_qh, stride_qn, stride_qd)  # fmt: skip
+        else:
+            qp_t = qa_t
+    else:
+        qa_t, q_absent = _load_queries_t(q_ptr, blk, head, offs_q, offs_d, d_in, n_q, stride_qb,
+                                         stride_qh, stride_qn, stride_qd)  # fmt: skip
+        qb_t = qa_t
+        qp_t = qa_t
+    return qa_t, qb_t, qp_t, q_absent
 
 
 @triton.jit
@@ -185,6 +219,8 @@ def _select_rep_kernel(
     ROT_DIM: tl.constexpr,
     IS_NEOX: tl.constexpr,
     LO_BITS: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     BLOCK_CHUNK: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -204,23 +240,31 @@ def _select_rep_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_in = offs_d < head_dim
 
-    # Queries transposed to [D, n_q] so each probe is one [BLOCK_CHUNK, D] x [D, n_q] product.
-    q_t, q_absent = _load_queries_t(
-        q_ptr, blk, head, offs_q, offs_d, d_in, n_q, stride_qb, stride_qh, stride_qn, stride_qd
-    )
+    # Queries transposed to [D, n_q] (or its parts) so each probe is one [BLOCK_CHUNK, D] x
+    # [D, n_q] product (or one per part).
+    qa_t, qb_t, qp_t, q_absent = _load_split_queries_t(
+        q_ptr, blk, head, offs_q, offs_d, d_in, head_dim, n_q, stride_qb, stride_qh, stride_qn,
+        stride_qd, ROPE, ROT_DIM, IS_NEOX, BLOCK_F, BLOCK_P,
+    )  # fmt: skip
     if FAST_DOT:
-        q_t = q_t.to(k_ptr.dtype.element_ty)
+        qa_t = qa_t.to(k_ptr.dtype.element_ty)
+        qb_t = qb_t.to(k_ptr.dtype.element_ty)
+        qp_t = qp_t.to(k_ptr.dtype.element_ty)
     if TWO_SIDED:
         # Right-branch probes score against their own queries (relative RoPE puts the two
         # probe keys at different distances); their absent rows are the left ones'.
-        q_r_t, _ = _load_queries_t(
-            q_right_ptr, blk, head, offs_q, offs_d, d_in, n_q,
-            stride_qb, stride_qh, stride_qn, stride_qd,
+        ra_t, rb_t, rp_t, _ = _load_split_queries_t(
+            q_right_ptr, blk, head, offs_q, offs_d, d_in, head_dim, n_q, stride_qb, stride_qh,
+            stride_qn, stride_qd, ROPE, ROT_DIM, IS_NEOX, BLOCK_F, BLOCK_P,
         )  # fmt: skip
         if FAST_DOT:
-            q_r_t = q_r_t.to(k_ptr.dtype.element_ty)
+            ra_t = ra_t.to(k_ptr.dtype.element_ty)
+            rb_t = rb_t.to(k_ptr.dtype.element_ty)
+            rp_t = rp_t.to(k_ptr.dtype.element_ty)
     else:
-        q_r_t = q_t
+        ra_t = qa_t
+        rb_t = qb_t
+        rp_t = qp_t
 
     limit = tl.load(key_limit_ptr + blk).to(tl.int32)
     start = tl.load(starts_ptr + blk * stride_sb + offs_c * stride_sc, mask=c_in, other=0)
@@ -229,15 +273,10 @@ def _select_rep_kernel(
     valid = (flag != 0) & c_in & (start < limit)
 
     if ROPE:
-        partner, freq, sign, rot = rope_pair_layout(offs_d, ROT_DIM, IS_NEOX)
         # a probe key at t turns by base - t
         base = tl.load(base_ptr + blk * stride_bb + offs_c * stride_bc, mask=c_in, other=0)
         base = base.to(tl.int32)
-    else:  # placeholders; every use is compiled out
-        partner = offs_d
-        freq = offs_d
-        sign = offs_d.to(tl.float32)
-        rot = d_in
+    else:  # placeholder; every use is compiled out
         base = start
 
     left = start
@@ -259,16 +298,16 @@ def _select_rep_kernel(
         if TWO_SIDED:
             # Two query sets, so two products per step.
             s_left = _probe_scores(
-                k_head_ptr, block_table_ptr, p_left, live, q_t, q_absent, offs_d, d_in,
-                stride_kpage, stride_ktok, stride_kd, base - p_left, partner, freq, sign, rot,
-                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
-                PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM // 2, LO_BITS, k_scale, KV_FP8,
+                k_head_ptr, block_table_ptr, p_left, live, qa_t, qb_t, qp_t, q_absent, offs_d, d_in,
+                head_dim, stride_kpage, stride_ktok, stride_kd, base - p_left, rope_hi_ptr, rope_lo_ptr,
+                rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM, IS_NEOX,
+                LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
             )  # fmt: skip
             s_right = _probe_scores(
-                k_head_ptr, block_table_ptr, p_right, live, q_r_t, q_absent, offs_d, d_in,
-                stride_kpage, stride_ktok, stride_kd, base - p_right, partner, freq, sign, rot,
-                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
-                PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM // 2, LO_BITS, k_scale, KV_FP8,
+                k_head_ptr, block_table_ptr, p_right, live, ra_t, rb_t, rp_t, q_absent, offs_d, d_in,
+                head_dim, stride_kpage, stride_ktok, stride_kd, base - p_right, rope_hi_ptr, rope_lo_ptr,
+                rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM, IS_NEOX,
+                LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
             )  # fmt: skip
         else:
             # Both halves' probes in one [2 * BLOCK_CHUNK, D] tile: one product per step.
@@ -279,10 +318,10 @@ def _select_rep_kernel(
             else:
                 delta = pos
             s = _probe_scores(
-                k_head_ptr, block_table_ptr, pos, need, q_t, q_absent, offs_d, d_in,
-                stride_kpage, stride_ktok, stride_kd, delta, partner, freq, sign, rot,
-                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
-                PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM // 2, LO_BITS, k_scale, KV_FP8,
+                k_head_ptr, block_table_ptr, pos, need, qa_t, qb_t, qp_t, q_absent, offs_d, d_in,
+                head_dim, stride_kpage, stride_ktok, stride_kd, delta, rope_hi_ptr, rope_lo_ptr,
+                rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM, IS_NEOX,
+                LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
             )  # fmt: skip
             s_left, s_right = tl.split(tl.reshape(s, [BLOCK_CHUNK, 2]))
         # Strictly greater goes left, so a tie descends right, as in the reference.
@@ -296,10 +335,10 @@ def _select_rep_kernel(
     single = valid & (best == float("-inf"))
     if tl.max(single.to(tl.int32), axis=0) > 0:
         s_single = _probe_scores(
-            k_head_ptr, block_table_ptr, left, single, q_t, q_absent, offs_d, d_in,
-            stride_kpage, stride_ktok, stride_kd, base - left, partner, freq, sign, rot,
-            rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
-            PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM // 2, LO_BITS, k_scale, KV_FP8,
+            k_head_ptr, block_table_ptr, left, single, qa_t, qb_t, qp_t, q_absent, offs_d, d_in,
+            head_dim, stride_kpage, stride_ktok, stride_kd, base - left, rope_hi_ptr, rope_lo_ptr,
+            rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM, IS_NEOX,
+            LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
         )  # fmt: skip
         best = tl.where(single, s_single, best)
     # Invalid chunks were never live nor single, so they still hold -inf.
@@ -438,11 +477,13 @@ def select_rep_scores_paged(
             max_abs_delta = 2 * block_table_row.shape[0] * page_size + c
         tables = delta_tables(rope_table, max_abs_delta, q_pooled.device)
         rope_args = (base, tables.hi, tables.lo, tables.bias, tables.n_hi)
-        rope_meta = dict(ROPE=True, ROT_DIM=rope_table.rotary_dim, IS_NEOX=rope_table.is_neox)
+        block_f, block_p = split_blocks(rope_table.rotary_dim, d)
+        rope_meta = dict(ROPE=True, ROT_DIM=rope_table.rotary_dim, IS_NEOX=rope_table.is_neox,
+                         BLOCK_F=block_f, BLOCK_P=block_p)  # fmt: skip
     else:
         # Placeholders for the compiled-out rotation (any tensor; never read).
         rope_args = (starts, starts, starts, 0, 1)
-        rope_meta = dict(ROPE=False, ROT_DIM=0, IS_NEOX=True)
+        rope_meta = dict(ROPE=False, ROT_DIM=0, IS_NEOX=True, BLOCK_F=16, BLOCK_P=0)
     if nb == 0 or c == 0:
         return per_head_out.new_empty(nb, c)
 

@@ -230,6 +230,91 @@ def delta_cos_sin(
 
 
 @triton.jit
+def pair_dims(offs_f, ROT_DIM: tl.constexpr, IS_NEOX: tl.constexpr):
+    """The dimensions of the first and second element of each rotation pair ``offs_f``."""
+    if IS_NEOX:
+        first = offs_f
+        second = offs_f + ROT_DIM // 2
+    else:
+        first = 2 * offs_f
+        second = 2 * offs_f + 1
+    return first, second
+
+
+@triton.jit
+def load_split(
+    rows,
+    ok,
+    stride_d,
+    head_dim,
+    scale,
+    FP8: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Rows at ``rows`` ``[N]`` split by the rotation: the first element of every pair
+    ``[N, BLOCK_F]``, the second ``[N, BLOCK_F]``, and the dimensions past ``ROT_DIM``
+    ``[N, BLOCK_P]`` (``BLOCK_P == 0``: none; the third value is then a placeholder). Zeros
+    where ``~ok``. ``FP8``: e4m3 values, dequantized as ``float32(x) * scale``.
+
+    Kernels that rotate work on the halves: a rotation is then two products per pair, its
+    cos/sin are loaded once per pair rather than once per dimension, and no row is loaded a
+    second time for its pair partners."""
+    offs_f = tl.arange(0, BLOCK_F)
+    first, second = pair_dims(offs_f, ROT_DIM, IS_NEOX)
+    m = ok[:, None] & (offs_f < ROT_DIM // 2)[None, :]
+    xa = tl.load(rows[:, None] + first[None, :] * stride_d, mask=m, other=0.0)
+    xb = tl.load(rows[:, None] + second[None, :] * stride_d, mask=m, other=0.0)
+    if FP8:
+        xa = xa.to(tl.float32) * scale
+        xb = xb.to(tl.float32) * scale
+    if BLOCK_P > 0:
+        offs_p = ROT_DIM + tl.arange(0, BLOCK_P)
+        xp = tl.load(rows[:, None] + offs_p[None, :] * stride_d,
+                     mask=ok[:, None] & (offs_p < head_dim)[None, :], other=0.0)  # fmt: skip
+        if FP8:
+            xp = xp.to(tl.float32) * scale
+    else:
+        xp = xa
+    return xa, xb, xp
+
+
+@triton.jit
+def rotate_split(
+    xa,
+    xb,
+    delta,
+    ok,
+    hi_ptr,
+    lo_ptr,
+    bias,
+    n_hi,
+    ROT_DIM: tl.constexpr,
+    LO_BITS: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """Pair halves (:func:`load_split`) turned by ``delta`` per row (float32); rows where
+    ``~ok`` are left as they are. The same products as :func:`rotate_pairs`."""
+    offs_f = tl.arange(0, BLOCK_F)
+    cos, sin = delta_cos_sin(delta, ok, offs_f, offs_f < ROT_DIM // 2, hi_ptr, lo_ptr, bias,
+                             n_hi, ROT_DIM // 2, LO_BITS)  # fmt: skip
+    xa = xa.to(tl.float32)
+    xb = xb.to(tl.float32)
+    return xa * cos - xb * sin, xb * cos + xa * sin
+
+
+def split_blocks(rotary_dim: int, head_dim: int) -> tuple[int, int]:
+    """``(BLOCK_F, BLOCK_P)`` of :func:`load_split`: the pairs and the dimensions past the
+    rotary ones, each padded to a power of two of at least 16 (``tl.dot``'s minimum); 0 when
+    every dimension rotates."""
+    block_f = max(16, triton.next_power_of_2(max(1, rotary_dim // 2)))
+    rest = head_dim - rotary_dim
+    return block_f, max(16, triton.next_power_of_2(rest)) if rest > 0 else 0
+
+
+@triton.jit
 def rotate_pairs(x, x_partner, cos, sin, sign):
     """``x`` rotated (float32): each row by its own angles, pairs as :func:`rope_pair_layout`."""
     return x.to(tl.float32) * cos + x_partner.to(tl.float32) * (sign[None, :] * sin)

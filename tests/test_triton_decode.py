@@ -67,11 +67,16 @@ def _interpreter_env():
         _restore_interpret()
 
 
-def rope_plan(style: str | None, d: int) -> ref.RopePlan | None:
-    """Pruning in ``style`` with streaming block-sparse attention; None: no RoPE remapping."""
+def rope_plan(style: str | None, d: int, layout: str = "neox") -> ref.RopePlan | None:
+    """Pruning in ``style`` with streaming block-sparse attention; None: no RoPE remapping.
+    ``layout`` ``"gptj-partial"``: GPT-J pairs over the first 3/4 of the head only."""
     if style is None:
         return None
-    return ref.RopePlan(RopeTable.default(d, 10000.0), pruning=style, bsa="streaming")
+    if layout == "gptj-partial":
+        table = RopeTable(RopeTable.default(d * 3 // 4, 10000.0).inv_freq, is_neox=False)
+    else:
+        table = RopeTable.default(d, 10000.0)
+    return ref.RopePlan(table, pruning=style, bsa="streaming")
 
 
 def small_params(rope: ref.RopePlan | None = None, final_keep: int = 64) -> ref.PruneParams:
@@ -124,18 +129,22 @@ ROPE_STYLES = [None, "relative", "chunk-indexed"]
 # Stage 0's scores here are 94 wide (128 as a power of two): a fused-top-k limit of 2048 ranks
 # every stage inside its SelectRep launch, 64 leaves stage 0 its own top-k launch, 0 every stage;
 # fuse_top=False (the backend's choice when a graph gate skips reuse steps) ranks none inside.
+# "gptj-partial": the kernels split each key by its rotation pairs, GPT-J's interleaved ones
+# and the unrotated dimensions past a partial rotary too.
 @pytest.mark.parametrize(
-    ("rope_style", "fused_top_max", "fuse_top"),
-    [(style, 2048, True) for style in ROPE_STYLES]
-    + [(None, 64, True), ("relative", 0, True), ("chunk-indexed", 2048, False)],
+    ("rope_style", "fused_top_max", "fuse_top", "layout"),
+    [(style, 2048, True, "neox") for style in ROPE_STYLES]
+    + [(None, 64, True, "neox"), ("relative", 0, True, "neox"),
+       ("chunk-indexed", 2048, False, "neox"), ("relative", 2048, True, "gptj-partial"),
+       ("chunk-indexed", 2048, True, "gptj-partial")],
 )
 def test_batched_cascade_equals_reference_at_mixed_levels(
-    rope_style, fused_top_max, fuse_top, monkeypatch
+    rope_style, fused_top_max, fuse_top, layout, monkeypatch
 ):
     monkeypatch.setattr(td, "FUSED_TOP_MAX_CHUNKS", fused_top_max)
     gen = torch.Generator().manual_seed(7 + len(str(rope_style)))
     hq, hkv, d, page = 4, 2, 32, 16
-    rope = rope_plan(rope_style, d)
+    rope = rope_plan(rope_style, d, layout)
     params = small_params(rope)
     # the fifth row is dense (no slot); the sixth has a slot but is too short for any stage-0
     # chunk to be a candidate (nothing to score: its top-k still runs, and keeps nothing)
