@@ -9,6 +9,8 @@
 #                   per-kernel breakdown at 512K (gated and ungated) and the vLLM graph tests
 #   run(command="bash benchmarks/gpu_e2e_run.sh ext-check")     the kernel tests, and the decode
 #                   layer's breakdown at 128K past the trained length (relative pruning)
+#   run(command="bash benchmarks/gpu_e2e_run.sh prefill-check [args]") one sparse prefill chunk
+#                   by kernel, RoPE remapping off and on (benchmarks/prefill_breakdown.py)
 #   run(command="bash benchmarks/gpu_e2e_run.sh tier-tests")            the host tier's GPU tests
 #   run(command="bash benchmarks/gpu_e2e_run.sh offload [offload.py args]") the host-tier benchmark
 # Logs and results land in $OUT.
@@ -67,6 +69,9 @@ case $what in
     timeout 240 python3 benchmarks/decode_breakdown.py --out "$OUTDIR" --contexts 131072 \
       --rope-pruning relative --variants default tile64x2 tile128x1w8 "$@" 2>&1 \
       | tee "$OUTDIR/decode-breakdown-ext.log" | grep -E "^\[breakdown\]|^\||Error|    " | tail -30 ;;
+  prefill-check)
+    timeout 300 python3 benchmarks/prefill_breakdown.py --out "$OUTDIR" "$@" 2>&1 \
+      | tee "$OUTDIR/prefill-breakdown.log" | grep -E "^\[prefill\]|^\||Error" | tail -20 ;;
   attention)
     BASELINES=fa3 python3 benchmarks/attention.py --out "$OUTDIR" --baselines fa3 ${@:+--contexts "$@"} \
       2>&1 | tee "$OUTDIR/attention.log" | tail -40 ;;

@@ -234,11 +234,43 @@ def plot_decode_breakdown(result: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def plot_prefill_breakdown(result: dict, out: Path) -> None:
+    """Stacked bars per (RoPE mode, variant): the chunk's kernels (ms), dense SDPA as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4.2))
+    colors: dict[str, str] = {}
+    seen: set[str] = set()
+    for i, r in enumerate(rows):
+        bottom = 0.0
+        for name, ms in sorted(r["kernels_ms"].items(), key=lambda kv: -kv[1]):
+            color = colors.setdefault(name, f"C{len(colors) % 10}")
+            ax.bar(i, ms, bottom=bottom, color=color, edgecolor="white",
+                   label=None if name in seen else name.lstrip("_")[:32])  # fmt: skip
+            seen.add(name)
+            bottom += ms
+        ax.hlines(r["prefill_ms_dense"], i - 0.4, i + 0.4, colors="k",
+                  label=None if "dense" in seen else "dense SDPA")  # fmt: skip
+        seen.add("dense")
+    labels = [f"{r['rope']}\n{r['variant']}\n{r['context'] // 1024}K" for r in rows]
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set(ylabel="ms per 32K-query chunk and layer",
+           title=f"sparse prefill chunk by kernel, {result['gpu']}, {result['date']}")
+    ax.legend(fontsize=7)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     path = Path(sys.argv[1])
     result = json.loads(path.read_text())
     out = path.with_suffix(".png")
     plots = {"attention": plot_attention, "passkey": plot_passkey, "recall": plot_recall,
-             "ruler": plot_ruler, "decode-breakdown": plot_decode_breakdown}
+             "ruler": plot_ruler, "decode-breakdown": plot_decode_breakdown,
+             "prefill-breakdown": plot_prefill_breakdown}
     plots[result["name"]](result, out)
     print(f"wrote {out}")

@@ -351,16 +351,15 @@ def _launch_config(head_dim: int, rope: bool = False) -> tuple[int, int, int]:
 
     On an H200 (D=128, 64K-1M keys, decode and 16-block prefill) 64 chunks with 8 warps was
     within noise of the best of {16, 32, 64} x {2, 4, 8}; fewer warps spill in the fp32 modes
-    (``"ieee"`` ran 6-8x slower with 4 warps than with 8). A rotation holds about three more
-    tiles of that size live (pair partners, cos, sin): with 32 chunks at D=128 and the default
-    software pipelining it asked for 240 KiB of shared memory on the H200 (limit 227 KiB), so it
-    takes half the chunks and no pipelining (16 chunks made extension-on prefill about 10x
-    slower end to end than extension-off).
+    (``"ieee"`` ran 6-8x slower with 4 warps than with 8). A rotation holds more tiles live (the
+    key's pair halves and their cos/sin), and with software pipelining the same tile asks for
+    more shared memory than the H200 has (246272 > 232448 bytes), so it runs unpipelined. With
+    the rotation split by pairs (``triton_rope.load_split``), the whole tile beats half of it:
+    a 32K-query chunk at 128K pruned in 209 against 412 ms (relative) and 163 against 230 ms
+    (chunk-indexed), the same selections (prefill-breakdown-gpu-2026-12-02.json).
     """
     block_chunk = 32 if head_dim > 128 else 64
-    if not rope:
-        return block_chunk, 8, 3
-    return block_chunk // 2, 8, 1
+    return block_chunk, 8, 1 if rope else 3
 
 
 def select_rep_scores_paged(

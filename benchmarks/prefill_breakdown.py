@@ -1,0 +1,168 @@
+"""Where one sparse prefill chunk's time goes, kernel by kernel, with and without RoPE remapping,
+for variants of the pruning kernel's launch configuration (GPU).
+
+    python benchmarks/prefill_breakdown.py [--contexts 131072] [--out benchmarks/results]
+
+Llama-3-8B layer shapes and the paged layout of ``benchmarks/attention.py`` (its ``make_layer``),
+preset ``3k-fast``, one 32K-query chunk at the end of the context, as the backend prunes and
+attends it on the GPU (``TritonOps``: ``run_stages_paged`` with tf32 scoring, then
+``sparse_prefill_attention``). Per context, RoPE mode (``off``; ``relative`` and
+``chunk-indexed`` pruning with StreamingLLM-style attention, as past the trained length) and
+variant (``triton_prune._launch_config``; the first is the code's), with torch SDPA's dense
+prefill of the same chunk as the reference in the same run:
+
+- the chunk's pruning and attention ms (eager, as the backend runs prefill), and each kernel's
+  GPU ms from ``torch.profiler``;
+- the variant's selections against the first variant's (the launch configuration must not
+  change what is selected).
+
+Writes ``benchmarks/results/prefill-breakdown-<gpu|cpu>-<date>.json``, a PNG and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+import attention as ab  # the kernel benchmark's layer and timing helpers
+from decode_breakdown import kernel_times
+from vllm_infinitehip.kernels import reference as ref
+from vllm_infinitehip.kernels import triton_prune
+from vllm_infinitehip.kernels.rope import RopeTable
+from vllm_infinitehip.kernels.triton_bsa import sparse_prefill_attention
+
+from vllm_infinitehip.config import InfiniteHiPConfig
+
+# name -> _launch_config(head_dim, rope) replacement, or None for the code's own
+# (the whole tile with pipelining and a rotation needs more shared memory than an H200 has)
+VARIANTS = {
+    "default": None,
+    "half-tile": lambda d, rope=False: ((32 if d > 128 else 64) // 2, 8, 1 if rope else 3),
+}
+ROPE_MODES = ("off", "relative", "chunk-indexed")
+
+
+def chunk_runner(params: ref.PruneParams, t: int, layer, scale: float):
+    """``(prune, attend)`` of the chunk, as ``TritonOps.prune`` / ``attend`` call the kernels."""
+    kv, table, _, qp = layer
+    ppos = torch.arange(t - qp.shape[0], t, device="cuda")
+    streaming = params.rope is not None and params.rope.bsa == "streaming"
+
+    def prune():
+        return triton_prune.run_stages_paged(params, qp, kv, table, ppos, scale, seq_len=t,
+                                             precision="tf32")  # fmt: skip
+
+    def attend(sel):
+        return sparse_prefill_attention(
+            qp, kv, table, t, sel.block_starts.to(torch.int32), sel.block_valid,
+            block_size_q=params.block_size_q, block_size_k=params.block_size_k,
+            sink_tokens=params.sink_tokens, window_tokens=params.window_tokens, scale=scale,
+            rope=params.rope.table if streaming else None,
+        )  # fmt: skip
+
+    return prune, attend
+
+
+def run_mode(t: int, cfg: InfiniteHiPConfig, layer, mode: str) -> dict:
+    params = ab.prune_params(cfg)
+    if mode != "off":
+        rope = ref.RopePlan(RopeTable.default(ab.D, 500000.0), pruning=mode, bsa="streaming")
+        params = dataclasses.replace(params, rope=rope)
+    prune, attend = chunk_runner(params, t, layer, ab.D**-0.5)
+    sel = prune()
+    prune_ms = ab.bench(prune, graph=False, reps=3)[0] / 1000
+    attend_ms = ab.bench(lambda: attend(sel), graph=False, reps=3)[0] / 1000
+    kernels: dict[str, float] = {}
+    for name, us in kernel_times(lambda: attend(prune()), reps=2):
+        kernels[name] = kernels.get(name, 0.0) + us / 1000
+    return {"prune_ms": prune_ms, "attend_ms": attend_ms, "kernels_ms": kernels, "sel": sel}
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| context | rope | variant | prune ms | attend ms | chunk ms | x SDPA | same selection |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['context'] // 1024}K | {r['rope']} | {r['variant']} | {r['prune_ms']:.1f} | "
+              f"{r['attend_ms']:.1f} | {r['chunk_ms']:.1f} | {r['speedup_vs_dense']:.1f} | "
+              f"{r['same_selection_as_first']} |")  # fmt: skip
+
+
+def dense_prefill_ms(t: int, layer) -> float:
+    """torch SDPA's causal prefill of the same chunk (K/V heads expanded outside the timing)."""
+    kv, table, _, qp = layer
+    k, v = ab.contiguous_kv(kv, table, t)
+    group = ab.HQ // ab.HKV
+    kd = k.permute(1, 0, 2).unsqueeze(0).repeat_interleave(group, dim=1)
+    vd = v.permute(1, 0, 2).unsqueeze(0).repeat_interleave(group, dim=1)
+    qd = qp.permute(1, 0, 2).unsqueeze(0)
+    from torch.nn.attention.bias import causal_lower_right
+
+    mask = causal_lower_right(qp.shape[0], t)
+    ms = ab.bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask,
+                                                         scale=ab.D**-0.5),
+                  graph=False, reps=3)[0] / 1000  # fmt: skip
+    return ms
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[131072])
+    ap.add_argument("--rope", nargs="+", choices=ROPE_MODES, default=list(ROPE_MODES))
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    cfg = InfiniteHiPConfig.from_user({"preset": "3k-fast"})
+    date = datetime.date.today().isoformat()
+    rows = []
+    original = triton_prune._launch_config
+    for t in args.contexts:
+        layer = ab.make_layer(t, seed=t % 1000)
+        dense_ms = dense_prefill_ms(t, layer)
+        for mode in args.rope:
+            first_sel = None
+            for name in args.variants:
+                triton_prune._launch_config = VARIANTS[name] or original
+                try:
+                    r = run_mode(t, cfg, layer, mode)
+                finally:
+                    triton_prune._launch_config = original
+                sel = r.pop("sel")
+                first_sel = sel if first_sel is None else first_sel
+                same = bool(torch.equal(sel.block_valid, first_sel.block_valid)
+                            and torch.equal(sel.block_starts[sel.block_valid],
+                                            first_sel.block_starts[first_sel.block_valid]))
+                r.update(context=t, rope=mode, variant=name, prefill_ms_dense=dense_ms,
+                         chunk_ms=r["prune_ms"] + r["attend_ms"],
+                         same_selection_as_first=same)  # fmt: skip
+                r["speedup_vs_dense"] = dense_ms / r["chunk_ms"]
+                rows.append(r)
+                top = sorted(r["kernels_ms"].items(), key=lambda kv: -kv[1])[:6]
+                print(f"[prefill] {t} {mode} {name}: prune {r['prune_ms']:.1f} ms, attend "
+                      f"{r['attend_ms']:.1f} ms, same selection {same}; kernels "
+                      + ", ".join(f"{n} {ms:.1f}" for n, ms in top), flush=True)  # fmt: skip
+        del layer
+        torch.cuda.empty_cache()
+    result = {"name": "prefill-breakdown", "date": date, "gpu": torch.cuda.get_device_name(),
+              "command": "python benchmarks/prefill_breakdown.py " + " ".join(argv or sys.argv[1:]),
+              "rows": rows}  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"prefill-breakdown-gpu-{date}.json"
+    path.write_text(json.dumps(result, indent=1))
+    from plot import plot_prefill_breakdown
+
+    plot_prefill_breakdown(result, path.with_suffix(".png"))
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
