@@ -87,7 +87,8 @@ def run_mode(t: int, cfg: InfiniteHiPConfig, layer, mode: str) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| context | rope | variant | prune ms | attend ms | chunk ms | x SDPA | same selection |")
+    print("| context | rope | variant | prune ms | attend ms | chunk ms | x SDPA "
+          "| same selection |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['context'] // 1024}K | {r['rope']} | {r['variant']} | {r['prune_ms']:.1f} | "

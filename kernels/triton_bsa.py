@@ -719,12 +719,13 @@ def _prefill_kernel(
     starts_row = starts_ptr + qb.to(tl.int64) * stride_sb
     n_sel = tl.load(nvalid_ptr + qb).to(tl.int32) * BLOCK_K
     if STREAMING:
+        # (q_a/q_b/q_p: qb is the query block here)
         q_rows = q_ptr + qi.to(tl.int64) * stride_qn + h * stride_qh
-        qa, qb_, qp = load_split(q_rows, q_ok, stride_qd, HEAD_DIM, 1.0, False, ROT_DIM, IS_NEOX,
-                                 BLOCK_F, BLOCK_P)  # fmt: skip
+        q_a, q_b, q_p = load_split(q_rows, q_ok, stride_qd, HEAD_DIM, 1.0, False, ROT_DIM,
+                                   IS_NEOX, BLOCK_F, BLOCK_P)  # fmt: skip
         acc, m_i, l_i = _prefill_streaming(
-            q, qa, qb_, qp, acc, m_i, l_i, kv_ptr, bt_ptr, starts_row, n_sel, pos, p_min, p_max, seq_len,
-            kv_head, offs_d, d_ok, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
+            q, q_a, q_b, q_p, acc, m_i, l_i, kv_ptr, bt_ptr, starts_row, n_sel, pos, p_min, p_max,
+            seq_len, kv_head, offs_d, d_ok, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
             stride_page, stride_kv, stride_tok, stride_head, stride_d, stride_btp, stride_sk,
             sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale,
             BLOCK_N, BLOCK_K, PAGE_SIZE, USE_SOFT_CAP, DOT_PRECISION, ROT_DIM, IS_NEOX, LO_BITS,

@@ -298,16 +298,16 @@ def _select_rep_kernel(
         if TWO_SIDED:
             # Two query sets, so two products per step.
             s_left = _probe_scores(
-                k_head_ptr, block_table_ptr, p_left, live, qa_t, qb_t, qp_t, q_absent, offs_d, d_in,
-                head_dim, stride_kpage, stride_ktok, stride_kd, base - p_left, rope_hi_ptr, rope_lo_ptr,
-                rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM, IS_NEOX,
-                LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
+                k_head_ptr, block_table_ptr, p_left, live, qa_t, qb_t, qp_t, q_absent, offs_d,
+                d_in, head_dim, stride_kpage, stride_ktok, stride_kd, base - p_left, rope_hi_ptr,
+                rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM,
+                IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
             )  # fmt: skip
             s_right = _probe_scores(
-                k_head_ptr, block_table_ptr, p_right, live, ra_t, rb_t, rp_t, q_absent, offs_d, d_in,
-                head_dim, stride_kpage, stride_ktok, stride_kd, base - p_right, rope_hi_ptr, rope_lo_ptr,
-                rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM, IS_NEOX,
-                LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
+                k_head_ptr, block_table_ptr, p_right, live, ra_t, rb_t, rp_t, q_absent, offs_d,
+                d_in, head_dim, stride_kpage, stride_ktok, stride_kd, base - p_right, rope_hi_ptr,
+                rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM,
+                IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
             )  # fmt: skip
         else:
             # Both halves' probes in one [2 * BLOCK_CHUNK, D] tile: one product per step.
