@@ -24,7 +24,8 @@ Per context and engine:
   call (``decode_profile``; a prefix-cache hit recomputes the prompt's tail, which cancels),
   against the step's time from the engine timestamps: host_share = 1 - GPU busy / step.
   ``--host-profile`` adds ``host_ms_per_step``, the host functions of a decode call from
-  ``cProfile``.
+  ``cProfile``, and ``gpu_idle``: the GPU's idle gaps in a profiled decode call, each charged to
+  the host call that ended it (``idle_gaps``), which says what keeps a host-bound step long.
 
 Every engine first serves a warm-up prompt past the dense threshold (Triton compiles its kernels
 on first use); no timing includes it. Results: ``e2e-gpu-<date>.json`` (rows as the issue names
@@ -109,6 +110,72 @@ def _busy_us(spans) -> float:
         busy += e - max(s, end)
         end = e
     return busy
+
+
+def idle_gaps(kernels, launches, steps: int, min_gap_us: float = 5.0, top: int = 12) -> dict:
+    """Where a run's GPU idled, and which host call ended each idle gap.
+
+    ``kernels``: ``(name, start, end)`` of every kernel (µs, one clock with the host's);
+    ``launches``: ``(name, start, end, context)`` of the host's CUDA runtime calls. A gap is a
+    stretch of at least ``min_gap_us`` with no kernel running; it is charged to the last runtime
+    call that began before the gap ended (the host was late to make it, or it waited on
+    something). Returns the idle µs and gaps per step (over ``steps``) and the ``top``
+    ``[context > call, idle µs per step, gaps per step]``, most idle first."""
+    import bisect
+
+    merged: list[list[float]] = []
+    for _, s, e in sorted(kernels, key=lambda k: k[1]):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    gaps = [(a[1], b[0]) for a, b in zip(merged, merged[1:]) if b[0] - a[1] >= min_gap_us]
+    launches = sorted(launches, key=lambda c: c[1])
+    starts = [c[1] for c in launches]
+    charged: dict[str, list[float]] = {}
+    for g0, g1 in gaps:
+        i = bisect.bisect_right(starts, g1) - 1
+        key = f"{launches[i][3]} > {launches[i][0]}" if i >= 0 else "(no host call)"
+        entry = charged.setdefault(key, [0.0, 0])
+        entry[0] += g1 - g0
+        entry[1] += 1
+    ranked = sorted(charged.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "idle_us_per_step": round(sum(g1 - g0 for g0, g1 in gaps) / steps, 1),
+        "gaps_per_step": round(len(gaps) / steps, 2),
+        "by_host_call": [[k, round(us / steps, 1), round(n / steps, 2)] for k, (us, n) in ranked],
+    }
+
+
+def _runtime_calls(prof) -> list[tuple[str, float, float, str]]:
+    """The host's CUDA runtime/driver calls of a ``torch.profiler`` run (``with_stack``), each
+    with its context: the innermost vLLM or plugin frame of its stack, else its outermost op."""
+    out = []
+    for e in prof.events():
+        dev = getattr(e, "device_type", None)
+        if dev is None or dev.name != "CPU" or not e.name.startswith("cu"):
+            continue
+        frames = [f for f in (getattr(e, "stack", None) or []) if "vllm" in f or "benchmarks" in f]
+        if frames:
+            context = frames[0]
+        else:
+            top = e
+            while getattr(top, "cpu_parent", None) is not None:
+                top = top.cpu_parent
+            context = top.name if top is not e else "(no op)"
+        out.append((e.name, e.time_range.start, e.time_range.end, context))
+    return out
+
+
+def gap_profile(call, prompt, steps: int = 32) -> dict:
+    """:func:`idle_gaps` of an in-process decode call of ``steps`` + 1 tokens (a prefix-cache
+    hit; its first token's recompute is in the window too), host calls with Python stacks."""
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts, with_stack=True) as p:
+        call([prompt], steps + 1)
+    return idle_gaps(_kernel_spans(p), _runtime_calls(p), steps)
 
 
 def decode_profile(call, prompts, step_s: float, top: int = 16) -> tuple[float, dict[str, float]]:
@@ -250,6 +317,12 @@ def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], ma
             print(f"[e2e] {name} {ctx}: GPU us per decode step by kernel: "
                   f"{row['kernel_us_per_step']}", flush=True)  # fmt: skip
             if profile_host:
+                row["gpu_idle"] = gap_profile(call, prompt)
+                print(f"[e2e] {name} {ctx}: GPU idle per step {row['gpu_idle']['idle_us_per_step']}"
+                      f" us in {row['gpu_idle']['gaps_per_step']} gaps; charged to [context > "
+                      f"call, us/step, gaps/step]:", flush=True)  # fmt: skip
+                for charged in row["gpu_idle"]["by_host_call"]:
+                    print(f"[e2e]   {charged}", flush=True)
                 row["host_ms_per_step"] = host_profile(call, prompt)
                 print(f"[e2e] {name} {ctx}: host functions [name, calls, own ms/step, "
                       f"cumulative ms/step]:", flush=True)  # fmt: skip
