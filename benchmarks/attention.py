@@ -145,6 +145,19 @@ def prune_params(cfg: InfiniteHiPConfig) -> ref.PruneParams:
     return ref.PruneParams(cfg.sink_tokens, cfg.window_tokens, stages, cfg.probe)
 
 
+def dense_prefill_call(kg, vg, qp, t: int, scale: float):
+    """torch SDPA's causal prefill of the chunk ``qp`` ``[nq, HQ, D]`` (the last ``nq``
+    positions of ``t``) over ``kg``/``vg`` ``[1, HKV, t, D]``, as a call. The K/V heads are
+    expanded here, outside any timing, since the lower-right causal path does not take GQA."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    kd = kg.repeat_interleave(HQ // HKV, dim=1)
+    vd = vg.repeat_interleave(HQ // HKV, dim=1)
+    qpd = qp.permute(1, 0, 2).unsqueeze(0)
+    mask = causal_lower_right(qp.shape[0], t)
+    return lambda: F.scaled_dot_product_attention(qpd, kd, vd, attn_mask=mask, scale=scale)
+
+
 class DecodeLayer:
     """One decode row's layer as the backend runs it: the pruning cascade, then split-K
     attention through the row's slot. ``gated`` (the backend where CUDA's conditional graph
@@ -228,20 +241,11 @@ def run_context(t: int, cfg: InfiniteHiPConfig, bw: float,
 
     row["decode_us_dense"], _ = bench(dense_decode)
     ref_decode = dense_decode().view(HQ, D)
-    kd = kg.repeat_interleave(HQ // HKV, dim=1)
-    vd = vg.repeat_interleave(HQ // HKV, dim=1)
     nq = qp.shape[0]
-    qpd = qp.permute(1, 0, 2).unsqueeze(0)
-    from torch.nn.attention.bias import causal_lower_right
-
-    mask = causal_lower_right(nq, t)
-
-    def dense_prefill():
-        return F.scaled_dot_product_attention(qpd, kd, vd, attn_mask=mask, scale=scale)
-
+    dense_prefill = dense_prefill_call(kg, vg, qp, t, scale)
     row["prefill_ms_dense"] = bench(dense_prefill, graph=False, reps=3)[0] / 1000
     ref_prefill = dense_prefill()[0].transpose(0, 1)  # [nq, HQ, D], as the baselines return it
-    del kd, vd, kg, vg
+    del dense_prefill, kg, vg
 
     # ---- ours: decode, as the backend runs it (DecodeLayer): the cascade, whose stages the row
     # joins by its refresh level (a device tensor), behind a gate that a graph skips on reuse

@@ -101,15 +101,21 @@ def _kernel_spans(prof) -> list[tuple[str, float, float]]:
     ]
 
 
+def _merged(spans) -> list[list[float]]:
+    """The union of the spans' ``(name, start, end)`` intervals, as disjoint ``[start, end]``
+    in time order."""
+    merged: list[list[float]] = []
+    for _, s, e in sorted(spans, key=lambda k: k[1]):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return merged
+
+
 def _busy_us(spans) -> float:
     """Microseconds the GPU ran any kernel (the union of their intervals)."""
-    busy, end = 0.0, float("-inf")
-    for _, s, e in sorted(spans, key=lambda x: x[1]):
-        if e <= end:
-            continue
-        busy += e - max(s, end)
-        end = e
-    return busy
+    return sum(e - s for s, e in _merged(spans))
 
 
 def idle_gaps(kernels, launches, steps: int, min_gap_us: float = 5.0, top: int = 12) -> dict:
@@ -123,12 +129,7 @@ def idle_gaps(kernels, launches, steps: int, min_gap_us: float = 5.0, top: int =
     ``[context > call, idle µs per step, gaps per step]``, most idle first."""
     import bisect
 
-    merged: list[list[float]] = []
-    for _, s, e in sorted(kernels, key=lambda k: k[1]):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
+    merged = _merged(kernels)
     gaps = [(a[1], b[0]) for a, b in zip(merged, merged[1:]) if b[0] - a[1] >= min_gap_us]
     launches = sorted(launches, key=lambda c: c[1])
     starts = [c[1] for c in launches]
