@@ -125,26 +125,47 @@ def idle_gaps(kernels, launches, steps: int, min_gap_us: float = 5.0, top: int =
     ``launches``: ``(name, start, end, context)`` of the host's CUDA runtime calls. A gap is a
     stretch of at least ``min_gap_us`` with no kernel running; it is charged to the last runtime
     call that began before the gap ended (the host was late to make it, or it waited on
-    something). Returns the idle µs and gaps per step (over ``steps``) and the ``top``
-    ``[context > call, idle µs per step, gaps per step]``, most idle first."""
+    something), and, in ``by_call_in_flight``, to the runtime call the host was inside when
+    the GPU went idle (a synchronize that the idle GPU then released: what the host did after it
+    is the gap), or ``(host busy)`` when none was. Returns the idle µs and gaps per step (over
+    ``steps``) and the ``top`` ``[context > call, idle µs per step, gaps per step]`` of each
+    charge, most idle first."""
     import bisect
 
     merged = _merged(kernels)
     gaps = [(a[1], b[0]) for a, b in zip(merged, merged[1:]) if b[0] - a[1] >= min_gap_us]
     launches = sorted(launches, key=lambda c: c[1])
     starts = [c[1] for c in launches]
-    charged: dict[str, list[float]] = {}
+
+    def name(i: int) -> str:
+        return f"{launches[i][3]} > {launches[i][0]}"
+
+    def in_flight_at(t: float, lookback: int = 512) -> str:
+        last = bisect.bisect_right(starts, t) - 1
+        for j in range(last, max(-1, last - lookback), -1):
+            if launches[j][2] > t:
+                return name(j)
+        return "(host busy)"
+
+    ended: dict[str, list[float]] = {}
+    in_flight: dict[str, list[float]] = {}
     for g0, g1 in gaps:
         i = bisect.bisect_right(starts, g1) - 1
-        key = f"{launches[i][3]} > {launches[i][0]}" if i >= 0 else "(no host call)"
-        entry = charged.setdefault(key, [0.0, 0])
-        entry[0] += g1 - g0
-        entry[1] += 1
-    ranked = sorted(charged.items(), key=lambda kv: -kv[1][0])[:top]
+        for charged, key in ((ended, name(i) if i >= 0 else "(no host call)"),
+                             (in_flight, in_flight_at(g0))):  # fmt: skip
+            entry = charged.setdefault(key, [0.0, 0])
+            entry[0] += g1 - g0
+            entry[1] += 1
+
+    def ranked(charged: dict[str, list[float]]) -> list[list]:
+        top_items = sorted(charged.items(), key=lambda kv: -kv[1][0])[:top]
+        return [[k, round(us / steps, 1), round(n / steps, 2)] for k, (us, n) in top_items]
+
     return {
         "idle_us_per_step": round(sum(g1 - g0 for g0, g1 in gaps) / steps, 1),
         "gaps_per_step": round(len(gaps) / steps, 2),
-        "by_host_call": [[k, round(us / steps, 1), round(n / steps, 2)] for k, (us, n) in ranked],
+        "by_host_call": ranked(ended),
+        "by_call_in_flight": ranked(in_flight),
     }
 
 
@@ -323,6 +344,9 @@ def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], ma
                       f" us in {row['gpu_idle']['gaps_per_step']} gaps; charged to [context > "
                       f"call, us/step, gaps/step]:", flush=True)  # fmt: skip
                 for charged in row["gpu_idle"]["by_host_call"]:
+                    print(f"[e2e]   {charged}", flush=True)
+                print("[e2e] and to the host call in flight when the GPU went idle:", flush=True)
+                for charged in row["gpu_idle"]["by_call_in_flight"]:
                     print(f"[e2e]   {charged}", flush=True)
                 row["host_ms_per_step"] = host_profile(call, prompt)
                 print(f"[e2e] {name} {ctx}: host functions [name, calls, own ms/step, "

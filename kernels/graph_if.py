@@ -44,17 +44,22 @@ logger = logging.getLogger("vllm.vllm_infinitehip")
 _MAX_HANDLES = 256
 _SET_HANDLES_SRC = r"""
 extern "C" __device__ void cudaGraphSetConditional(unsigned long long handle, unsigned int value);
-struct Handles { unsigned long long h[MAX_HANDLES]; unsigned int n; };
+struct Handles { unsigned long long h[MAX_HANDLES]; unsigned char inverted[MAX_HANDLES];
+                 unsigned int n; };
 extern "C" __global__ void set_handles(const unsigned char* flag, Handles hs) {
   // one thread: concurrent sets of a handle are undefined, and the handles are few
   unsigned int value = flag[0] != 0;
-  for (unsigned int i = 0; i < hs.n; ++i) cudaGraphSetConditional(hs.h[i], value);
+  for (unsigned int i = 0; i < hs.n; ++i) cudaGraphSetConditional(hs.h[i], value ^ hs.inverted[i]);
 }
 """.replace("MAX_HANDLES", str(_MAX_HANDLES))
 
 
 class _Handles(ctypes.Structure):
-    _fields_ = [("h", ctypes.c_ulonglong * _MAX_HANDLES), ("n", ctypes.c_uint)]
+    _fields_ = [
+        ("h", ctypes.c_ulonglong * _MAX_HANDLES),
+        ("inverted", ctypes.c_ubyte * _MAX_HANDLES),
+        ("n", ctypes.c_uint),
+    ]
 
 
 def _check(result: tuple) -> tuple:
@@ -101,17 +106,20 @@ def _set_handles_kernel(device: torch.device) -> object:
 
 class GraphIf:
     """``n_regions`` regions, each run at replay only when ``flag`` (a 1-element bool or uint8
-    device tensor, rewritten before each replay) is non-zero.
+    device tensor, rewritten before each replay) is non-zero, or, for the indices in
+    ``inverted``, only when it is zero (an if / else pair is two regions, one inverted).
 
     Every region index must be opened once in each capture that opens any (the handles of a
     capture are made together at its first region, and an unused handle can fail the graph's
     instantiation); a region opened twice in one capture runs unconditionally."""
 
-    def __init__(self, flag: torch.Tensor, n_regions: int) -> None:
+    def __init__(self, flag: torch.Tensor, n_regions: int, inverted: frozenset[int] = frozenset(),
+                 ) -> None:  # fmt: skip
         if flag.numel() != 1 or flag.element_size() != 1 or not flag.is_cuda:
             raise ValueError("the flag is one byte on a CUDA device")
         self.flag = flag
         self.n_regions = n_regions
+        self.inverted = inverted
         self._fn = _set_handles_kernel(flag.device)
         self._side = torch.cuda.Stream(flag.device)
         self._capture_id: int | None = None
@@ -119,7 +127,11 @@ class GraphIf:
         self._opened: set[int] = set()
 
     @contextlib.contextmanager
-    def region(self, index: int) -> Iterator[None]:
+    def region(self, index: int, pool: tuple[int, int] | None = None) -> Iterator[None]:
+        """Inside a capture, what is launched on the current stream lands in region ``index``'s
+        body. ``pool``: the capturing graph's memory pool, for a body that allocates (a model's
+        forward): this thread's allocations go there while the body is captured, as the
+        capture's own would (its allocator routes by capture id, and the body has its own)."""
         if not torch.cuda.is_current_stream_capturing():
             yield
             return
@@ -152,6 +164,14 @@ class GraphIf:
         _check(driver.cuStreamBeginCaptureToGraph(
             side, body, None, None, 0, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
         ))  # fmt: skip
+        device = _device_index(self.flag.device)
+        if pool is not None:
+            # the allocator keeps one route per pool: the capture's (its capture id) gives way to
+            # this thread's while the body is captured, then this thread's stands in for it
+            # until the capture ends and removes it (each route holds a pool reference: dropped)
+            torch._C._cuda_endAllocateToPool(device, pool)
+            torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool)
+            torch._C._cuda_releasePool(device, pool)
         try:
             with torch.cuda.stream(self._side):
                 yield
@@ -178,6 +198,7 @@ class GraphIf:
             hs = _Handles()
             for i, h in enumerate(chunk):
                 hs.h[i] = int(h)
+                hs.inverted[i] = int(lo + i in self.inverted)
             hs.n = len(chunk)
             args = (ctypes.c_void_p * 2)(ctypes.addressof(flag_ptr), ctypes.addressof(hs))
             _check(driver.cuLaunchKernel(self._fn, 1, 1, 1, 1, 1, 1, 0, s,

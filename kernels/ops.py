@@ -54,6 +54,9 @@ class DecodeScratch:
     # layer's cascade, region ``gate_region``, when no row refreshes
     gate: object | None = None
     gate_region: int = 0
+    # the cascade runs on refresh steps only (the refresh body of a branched decode graph):
+    # each stage's top-k then takes a launch of its own, as behind a gate (faster at refresh)
+    refresh_only: bool = False
     # float32 [2, max rows, H_q, D] (GPU, RoPE extension on): the queries the pruning stages
     # score with, placed by the layer's RoPE style inside the gate (nothing allocated there)
     queries: torch.Tensor | None = None
@@ -183,15 +186,16 @@ class TritonOps:
                        v_scale=None):  # fmt: skip
         from vllm_infinitehip.kernels import triton_decode
 
-        # With a gate, steps that refresh nothing skip the launches, so the top-k gets its own
-        # (faster at refresh); without one, it rides in SelectRep (fewer no-op launches).
+        # With a gate or a branch, steps that refresh nothing skip the launches, so the top-k
+        # gets its own (faster at refresh); otherwise it rides in SelectRep (fewer no-op
+        # launches).
         gate = scratch.gate
         triton_decode.refresh_masks(params, masks, q, kv_cache, rows, scale, scratch.scores,
                                     scratch.placement, bank=scratch.bank, k_scale=k_scale,
                                     v_scale=v_scale, reduce_scores=self.reduce_scores,
                                     arrivals=scratch.arrivals,
                                     gate=gate.region(scratch.gate_region) if gate else None,
-                                    fuse_top=gate is None,
+                                    fuse_top=gate is None and not scratch.refresh_only,
                                     query_buffers=scratch.queries)  # fmt: skip
 
     def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch, *,

@@ -21,6 +21,7 @@ def test_idle_gaps_are_charged_to_the_host_call_that_ended_them():
     ]
     launches = [
         ("cudaGraphLaunch", 1.0, 5.0, "model_runner.py(10): execute"),
+        ("cudaEventSynchronize", 20.0, 55.0, "async_utils.py(50): get_output"),  # idle at 50
         ("cudaLaunchKernel", 60.0, 62.0, "backend.py(5): build"),  # ends the first gap
         ("cudaGraphLaunch", 75.0, 79.0, "model_runner.py(10): execute"),  # ends it, later
         ("cudaMemcpyAsync", 150.0, 151.0, "sampler.py(3): sample"),
@@ -33,11 +34,18 @@ def test_idle_gaps_are_charged_to_the_host_call_that_ended_them():
     assert got["by_host_call"] == [
         ["model_runner.py(10): execute > cudaGraphLaunch", 50.0, 1.0],
     ]
+    # the first gap began inside the synchronize; the second while the host ran Python
+    assert got["by_call_in_flight"] == [
+        ["(host busy)", 35.0, 0.5],
+        ["async_utils.py(50): get_output > cudaEventSynchronize", 15.0, 0.5],
+    ]
 
 
 def test_idle_gaps_of_a_busy_gpu_and_of_a_gap_before_any_host_call():
     assert e2e.idle_gaps([("k", 0.0, 10.0), ("k", 10.0, 20.0)], [], steps=1) == {
         "idle_us_per_step": 0.0, "gaps_per_step": 0.0, "by_host_call": [],
+        "by_call_in_flight": [],
     }  # fmt: skip
     got = e2e.idle_gaps([("k", 0.0, 10.0), ("k", 50.0, 60.0)], [("cuX", 70.0, 71.0, "c")], 1)
     assert got["by_host_call"] == [["(no host call)", 40.0, 1.0]]
+    assert got["by_call_in_flight"] == [["(host busy)", 40.0, 1.0]]

@@ -40,6 +40,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from vllm_infinitehip import step_branches
 from vllm_infinitehip.block_manager import tier as host_tier
 from vllm_infinitehip.block_manager.bank import Bank, PrefillStaging, decode_read_pages
 from vllm_infinitehip.config import (
@@ -285,6 +286,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
                 queries = torch.empty(2, max_rows, heads, model.get_head_size(),
                                       dtype=torch.float32, device=device)  # fmt: skip
         slots = DecodeSlots(max_rows, self.config.refresh_intervals, device)
+        _offer_step_gate(self.config, slots, vllm_config, device)
         self.plan = StepPlan(
             slots, masks,
             DecodeScratch(scores, workspace, arrivals, queries=queries,
@@ -494,6 +496,22 @@ def _cascade_gate(
     return GraphIf(slots.refreshing, n_layers)
 
 
+def _offer_step_gate(
+    config: InfiniteHiPConfig, slots: DecodeSlots, vllm_config: VllmConfig, device: torch.device
+) -> None:
+    """Let full decode graphs branch once per step on the refresh flag (step_branches.py):
+    CUDA, where conditional nodes work, one GPU (a TP group's collectives stay out of
+    conditional bodies), and not with ``tp_mask: "global"``."""
+    parallel = vllm_config.parallel_config
+    one_gpu = parallel.tensor_parallel_size * parallel.pipeline_parallel_size == 1
+    if device.type != "cuda" or _score_reduce(config) is not None or not one_gpu:
+        return
+    from vllm_infinitehip.kernels.graph_if import GraphIf, conditional_graphs_work
+
+    if conditional_graphs_work(device):
+        step_branches.offer(GraphIf(slots.refreshing, 2, frozenset({1})), device, vllm_config)
+
+
 def _score_reduce(config: InfiniteHiPConfig) -> ref.ScoreReduce | None:
     """``tp_mask: "global"``: the max of each stage's scores over the TP group, through vLLM's
     own group collective (gloo on the CPU; on CUDA the communicator graphs capture)."""
@@ -590,6 +608,7 @@ class InfiniteHiPImpl(AttentionImpl):
         self._tail_params: ref.PruneParams | None = None
         self._layer_name: str | None = None
         self._scratch: DecodeScratch | None = None
+        self._scratch_refresh_body: DecodeScratch | None = None
         self._ops: AttentionOps | None = None
         self._bank_layer = -1
         # an fp8 cache's per-layer scales (vLLM's device tensors; readers dequantize with them)
@@ -620,6 +639,9 @@ class InfiniteHiPImpl(AttentionImpl):
             bank=bank.layer(self._bank_layer) if bank is not None else None,
             gate_region=plan.layer_order[layer.layer_name],
         )  # fmt: skip
+        # the refresh body of a branched decode graph: the step's branch is the gate
+        self._scratch_refresh_body = dataclasses.replace(self._scratch, gate=None,
+                                                         refresh_only=True)  # fmt: skip
 
     def _rope_plan(self, layer_index: int) -> ref.RopePlan | None:
         """This layer's position remapping when extending past the trained length (§2)."""
@@ -707,8 +729,10 @@ class InfiniteHiPImpl(AttentionImpl):
         one block-sparse launch (dense rows attend to everything). No host work on the GPU."""
         masks = m.plan.masks[self._layer_name]
         rows = m.decode
-        if m.run_cascade:
-            ops.refresh_decode(self._params, masks, q, kv_cache, rows, self.scale, self._scratch,
+        branch = step_branches.current()  # None unless a full decode graph is being captured
+        if m.run_cascade and branch != step_branches.REUSE:
+            scratch = self._scratch if branch is None else self._scratch_refresh_body
+            ops.refresh_decode(self._params, masks, q, kv_cache, rows, self.scale, scratch,
                                **self._kv_scales)  # fmt: skip
         ops.attend_decode(self._params, masks, q, kv_cache, rows, self.scale, out, self.pairs,
                           self._scratch, **self._kv_scales)  # fmt: skip

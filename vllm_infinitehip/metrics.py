@@ -72,8 +72,9 @@ def collect_stats(worker: Any, reset: bool = False) -> dict[str, Any]:
     summed counters, ``layers`` (the number of layers that contributed), ``live_slots`` (decode
     state slots owned now: a finished, aborted or preempted request's slot is freed at the next
     step) and ``decode_graph_gated_layers`` (layers whose pruning cascade a captured decode graph
-    skips on steps that refresh no mask: all of them on a GPU where CUDA's conditional graph
-    nodes work, see kernels/graph_if.py).
+    skips on steps that refresh no mask, through the step's branch or its own gate: all of them
+    on a GPU where CUDA's conditional graph nodes work, see step_branches.py and
+    kernels/graph_if.py).
     """
     return stats_of_impls(_impls(worker), reset=reset)
 
