@@ -39,6 +39,7 @@ would not fit the run's time are skipped for that backend (``--skip``) and repor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -52,7 +53,7 @@ DECODE_TOKENS = 128
 TRAINED_FOR_EXTENSION = 8192  # "the model declared as trained on 8K"
 
 
-ENGINE_MODIFIERS = ("ext", "vllm-scheduler", "mp")
+ENGINE_MODIFIERS = ("ext", "vllm-scheduler", "mp", "qb128", "qb256")
 
 
 def engine_parts(name: str) -> tuple[str, set[str]]:
@@ -69,7 +70,9 @@ def engine_spec(name: str, max_len: int) -> dict:
     on, ``+vllm-scheduler`` for vLLM's own scheduler (with its per-step common-prefix walk,
     which infinitehip's scheduler skips: the A/B of that change). ``+mp`` (also on
     ``flash_attn``) runs the engine core in its own process, as ``LLM`` and ``vllm serve`` do by
-    default; it is read in ``run_engine``, before vLLM is imported."""
+    default; it is read in ``run_engine``, before vLLM is imported. ``+qb128`` / ``+qb256``: the
+    first pruning stage scores query blocks of 128 / 256 queries (16 pooled each), the later
+    stages 64 (neighbouring blocks share the first stage's prefill work)."""
     kw = dict(load_format="dummy", dtype="bfloat16", max_model_len=max_len,
               max_num_batched_tokens=32768, enable_prefix_caching=True,
               gpu_memory_utilization=0.94, disable_log_stats=False, seed=0,
@@ -80,6 +83,13 @@ def engine_spec(name: str, max_len: int) -> dict:
     hip = {"preset": preset, "rope_extension": "ext" in mods}
     if "ext" in mods:
         hip["trained_context"] = TRAINED_FOR_EXTENSION
+    for block in (128, 256):
+        if f"qb{block}" in mods:
+            from vllm_infinitehip.config import PRESETS
+
+            stages = [dataclasses.asdict(st) for st in PRESETS[preset]["stages"]]
+            stages[0].update(block_size_q=block, query_stride=block // 16)
+            hip["stages"] = stages
     if "vllm-scheduler" in mods:  # async scheduling is on for these engines
         kw["scheduler_cls"] = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
     return {**kw, "attention_backend": "infinitehip", "additional_config": {"infinitehip": hip}}

@@ -14,7 +14,11 @@ prefill of the same chunk as the reference in the same run:
 - the chunk's pruning and attention ms (eager, as the backend runs prefill), and each kernel's
   GPU ms from ``torch.profiler``;
 - the variant's selections against the first variant's (the launch configuration must not
-  change what is selected).
+  change what is selected);
+- with ``--first-stage-block 64 128 256``, the same with the first pruning stage scoring query
+  blocks of that many queries (``query_stride`` scaled to keep 16 pooled queries; the later
+  stages keep 64: neighbouring blocks share the first stage's work), and ``final_overlap``: the
+  share of the 64-query first stage's final blocks that this one also selects.
 
 Writes ``benchmarks/results/prefill-breakdown-<gpu|cpu>-<date>.json``, a PNG and a table.
 """
@@ -85,14 +89,34 @@ def run_mode(t: int, cfg: InfiniteHiPConfig, layer, mode: str) -> dict:
     return {"prune_ms": prune_ms, "attend_ms": attend_ms, "kernels_ms": kernels, "sel": sel}
 
 
+def with_first_stage_block(cfg: InfiniteHiPConfig, block: int) -> InfiniteHiPConfig:
+    """``cfg`` with its first stage scoring blocks of ``block`` queries, 16 pooled per block."""
+    first = dataclasses.replace(cfg.stages[0], block_size_q=block, query_stride=max(1, block // 16))
+    return InfiniteHiPConfig.from_user({**cfg.to_dict(),
+                                        "stages": [dataclasses.asdict(st) for st in
+                                                   (first, *cfg.stages[1:])]})  # fmt: skip
+
+
+def selection_overlap(sel: ref.PruneResult, base: ref.PruneResult) -> float:
+    """The share of ``base``'s valid (query block, block start) pairs that ``sel`` also has."""
+    def pairs(r):
+        rows = torch.arange(r.block_starts.shape[0], device=r.block_starts.device)
+        rows = rows.view(-1, 1).expand_as(r.block_starts)
+        return set(zip(rows[r.block_valid].tolist(), r.block_starts[r.block_valid].tolist()))
+
+    want = pairs(base)
+    return len(pairs(sel) & want) / max(1, len(want))
+
+
 def print_table(rows: list[dict]) -> None:
-    print("| context | rope | variant | prune ms | attend ms | chunk ms | x SDPA "
-          "| same selection |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| context | rope | first-stage b_q | variant | prune ms | attend ms | chunk ms | x SDPA "
+          "| same selection | final overlap |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['context'] // 1024}K | {r['rope']} | {r['variant']} | {r['prune_ms']:.1f} | "
-              f"{r['attend_ms']:.1f} | {r['chunk_ms']:.1f} | {r['speedup_vs_dense']:.1f} | "
-              f"{r['same_selection_as_first']} |")  # fmt: skip
+        print(f"| {r['context'] // 1024}K | {r['rope']} | {r['first_stage_block_q']} | "
+              f"{r['variant']} | {r['prune_ms']:.1f} | {r['attend_ms']:.1f} | "
+              f"{r['chunk_ms']:.1f} | {r['speedup_vs_dense']:.1f} | "
+              f"{r['same_selection_as_first']} | {r['final_overlap']:.3f} |")  # fmt: skip
 
 
 def dense_prefill_ms(t: int, layer) -> float:
@@ -109,16 +133,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[131072])
     ap.add_argument("--rope", nargs="+", choices=ROPE_MODES, default=list(ROPE_MODES))
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--first-stage-block", type=int, nargs="+", default=[64],
+                    help="query block sizes of the first pruning stage (the first is the base)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
-    cfg = InfiniteHiPConfig.from_user({"preset": "3k-fast"})
+    base = InfiniteHiPConfig.from_user({"preset": "3k-fast"})
     date = datetime.date.today().isoformat()
     rows = []
+    base_sel: dict[tuple, ref.PruneResult] = {}
     original = triton_prune._launch_config
     for t in args.contexts:
         layer = ab.make_layer(t, seed=t % 1000)
         dense_ms = dense_prefill_ms(t, layer)
-        for mode in args.rope:
+        for mode, block in [(m, b) for m in args.rope for b in args.first_stage_block]:
+            cfg = with_first_stage_block(base, block)
             first_sel = None
             for name in args.variants:
                 triton_prune._launch_config = VARIANTS[name] or original
@@ -131,9 +159,12 @@ def main(argv: list[str] | None = None) -> int:
                 same = bool(torch.equal(sel.block_valid, first_sel.block_valid)
                             and torch.equal(sel.block_starts[sel.block_valid],
                                             first_sel.block_starts[first_sel.block_valid]))
-                r.update(context=t, rope=mode, variant=name, prefill_ms_dense=dense_ms,
-                         chunk_ms=r["prune_ms"] + r["attend_ms"],
+                if block == args.first_stage_block[0]:
+                    base_sel[(t, mode, name)] = sel
+                r.update(context=t, rope=mode, variant=name, first_stage_block_q=block,
+                         prefill_ms_dense=dense_ms, chunk_ms=r["prune_ms"] + r["attend_ms"],
                          same_selection_as_first=same)  # fmt: skip
+                r["final_overlap"] = selection_overlap(sel, base_sel[(t, mode, name)])
                 r["speedup_vs_dense"] = dense_ms / r["chunk_ms"]
                 rows.append(r)
                 top = sorted(r["kernels_ms"].items(), key=lambda kv: -kv[1])[:6]

@@ -75,7 +75,9 @@ class PruneParams:
 
     @property
     def block_size_q(self) -> int:
-        return self.stages[0].block_size_q
+        """The final blocks' query block: block-sparse attention's (the last stage's). An earlier
+        stage may score coarser blocks, a multiple of the next stage's (:func:`run_stages`)."""
+        return self.stages[-1].block_size_q
 
     @property
     def block_size_k(self) -> int:
@@ -468,13 +470,14 @@ def run_stages(
     per stage whatever the branch, so that every rank makes the same collective calls.
     """
     seq_len = k.shape[0]
-    bq = params.block_size_q
-    blk = query_block_ids(q.shape[0], bq).to(q_positions.device)
-    n_blocks = int(blk[-1]) + 1 if q.shape[0] else 0
-    block_min_pos = torch.full((n_blocks,), seq_len, dtype=torch.long, device=q.device)
-    block_min_pos = block_min_pos.scatter_reduce(0, blk, q_positions.long(), reduce="amin")
-    # keys every query of a block may see
-    key_limit = torch.clamp(block_min_pos + 1, max=seq_len)
+
+    def blocks(bq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(min position, key limit: the keys every query of a block may see) per block."""
+        blk = query_block_ids(q.shape[0], bq).to(q_positions.device)
+        n_blocks = int(blk[-1]) + 1 if q.shape[0] else 0
+        min_pos = torch.full((n_blocks,), seq_len, dtype=torch.long, device=q.device)
+        min_pos = min_pos.scatter_reduce(0, blk, q_positions.long(), reduce="amin")
+        return min_pos, torch.clamp(min_pos + 1, max=seq_len)
 
     rope = params.rope
     remap = rope is not None and rope.pruning != "none"
@@ -484,12 +487,13 @@ def run_stages(
         k = rotate(k.float(), -torch.arange(seq_len, device=k.device), rope.table)
 
     stage_inputs: list[Candidates] = []
+    n_stages = len(params.stages)
+    block_min_pos, key_limit = blocks(params.stages[start_stage].block_size_q)
     if start_stage == 0:
         cand = first_stage_candidates(params, seq_len, block_min_pos)
     else:
         assert start_input is not None
         cand = start_input
-    n_stages = len(params.stages)
     for i in range(start_stage, n_stages):
         st = params.stages[i]
         stage_inputs.append(cand)
@@ -499,17 +503,30 @@ def run_stages(
             # Every live chunk survives the top-k, so the scores cannot change the outcome.
             scores = torch.where(live, 0.0, NEG_INF)
         else:
-            qp = pool_queries(q, bq, st.query_stride) * scale
+            qp = pool_queries(q, st.block_size_q, st.query_stride) * scale
             scores = _stage_scores(params, qp, k, cand, st.chunk_size, key_limit, block_min_pos)
         if reduce_scores is not None:
             scores = reduce_scores(scores)
         kept_starts, kept_valid = keep_top_chunks(scores, cand, keep)
         if i == n_stages - 1:
             return PruneResult(kept_starts, kept_valid, stage_inputs)
-        cand = split_chunks(
-            kept_starts, kept_valid, st.chunk_size, params.stages[i + 1].chunk_size, key_limit
-        )
+        nxt = params.stages[i + 1]
+        cand = split_chunks(kept_starts, kept_valid, st.chunk_size, nxt.chunk_size, key_limit)
+        if nxt.block_size_q != st.block_size_q:
+            block_min_pos, key_limit = blocks(nxt.block_size_q)
+            cand = refine_blocks(cand, st.block_size_q // nxt.block_size_q, key_limit)
     raise AssertionError("unreachable: at least one stage runs")
+
+
+def refine_blocks(cand: Candidates, factor: int, key_limit: torch.Tensor) -> Candidates:
+    """A coarse stage's survivors handed to each of its ``factor`` finer query blocks (§1.5,
+    step 6: the neighbouring blocks share the coarse stage's work). ``key_limit`` is per fine
+    block; a fine block sees at least its coarse block's keys, so the mask only trims the rows
+    past the last query."""
+    n_fine = key_limit.shape[0]
+    starts = cand.starts.repeat_interleave(factor, dim=0)[:n_fine]
+    valid = cand.valid.repeat_interleave(factor, dim=0)[:n_fine]
+    return Candidates(starts, valid & (starts < key_limit.view(-1, 1)))
 
 
 def keep_top_chunks(

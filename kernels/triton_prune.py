@@ -588,17 +588,20 @@ def run_stages_paged(
     ``reduce_scores``: as in :func:`reference.run_stages`.
     """
     nq = q.shape[0]
-    bq = params.block_size_q
-    n_blocks = -(-nq // bq)
     device = q.device
     if seq_len is None and start_stage == 0:
         seq_len = int(q_positions[-1]) + 1 if nq else 0
-    blk = torch.arange(nq, device=device) // bq
-    # Every block holds a query, so the fill never survives the min.
-    fill = torch.iinfo(torch.long).max
-    block_min_pos = torch.full((n_blocks,), fill, dtype=torch.long, device=device)
-    block_min_pos = block_min_pos.scatter_reduce(0, blk, q_positions.long(), reduce="amin")
-    key_limit = block_min_pos + 1  # positions < seq_len, so the reference's clamp is a no-op
+
+    def blocks(bq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(min position, key limit) per query block of ``bq`` queries."""
+        blk = torch.arange(nq, device=device) // bq
+        # Every block holds a query, so the fill never survives the min.
+        fill = torch.iinfo(torch.long).max
+        min_pos = torch.full((-(-nq // bq),), fill, dtype=torch.long, device=device)
+        min_pos = min_pos.scatter_reduce(0, blk, q_positions.long(), reduce="amin")
+        return min_pos, min_pos + 1  # positions < seq_len: the reference's clamp is a no-op
+
+    block_min_pos, key_limit = blocks(params.stages[start_stage].block_size_q)
 
     if start_stage == 0:
         cand = ref.first_stage_candidates(params, seq_len, block_min_pos)
@@ -618,20 +621,23 @@ def run_stages_paged(
     sw = params.scan_window
 
     stage_inputs: list[ref.Candidates] = []
-    pooled: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # stages often share one
+    # (block size, stride) -> pooled queries: stages often share them
+    pooled: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
     n_stages = len(params.stages)
     for i in range(start_stage, n_stages):
         st = params.stages[i]
         stage_inputs.append(cand)
         c = cand.starts.shape[1]
+        n_blocks = key_limit.shape[0]
         keep = min(st.keep_tokens // st.chunk_size, c)
-        if st.query_stride not in pooled:
-            qp = ref.pool_queries(q, bq, st.query_stride) * scale
+        pooling = (st.block_size_q, st.query_stride)
+        if pooling not in pooled:
+            qp = ref.pool_queries(q, *pooling) * scale
             if style == "relative":
-                pooled[st.query_stride] = ref.relative_queries(qp, table, sw)
+                pooled[pooling] = ref.relative_queries(qp, table, sw)
             else:
-                pooled[st.query_stride] = (qp, None)
-        q_left, q_right = pooled[st.query_stride]
+                pooled[pooling] = (qp, None)
+        q_left, q_right = pooled[pooling]
         rotation = None
         if style == "relative":  # every probe key to position 0
             rotation = (torch.zeros((), dtype=torch.int32, device=device).expand(n_blocks, c),
@@ -658,7 +664,9 @@ def run_stages_paged(
         kept_starts, kept_valid = ref.keep_top_chunks(scores, cand, keep)
         if i == n_stages - 1:
             return ref.PruneResult(kept_starts, kept_valid, stage_inputs)
-        cand = ref.split_chunks(
-            kept_starts, kept_valid, st.chunk_size, params.stages[i + 1].chunk_size, key_limit
-        )
+        nxt = params.stages[i + 1]
+        cand = ref.split_chunks(kept_starts, kept_valid, st.chunk_size, nxt.chunk_size, key_limit)
+        if nxt.block_size_q != st.block_size_q:
+            block_min_pos, key_limit = blocks(nxt.block_size_q)
+            cand = ref.refine_blocks(cand, st.block_size_q // nxt.block_size_q, key_limit)
     raise ValueError(f"start_stage={start_stage} leaves no stage to run (have {n_stages})")

@@ -65,6 +65,12 @@ def test_every_field_overridable_and_json_string():
                         {"chunk_size": 8, "keep_tokens": 256}]},
             "infinitehip.stages[0].keep_tokens",
         ),
+        (
+            {"stages": [{"chunk_size": 256, "keep_tokens": 4096, "block_size_q": 64},
+                        {"chunk_size": 32, "keep_tokens": 512, "block_size_q": 128},
+                        {"chunk_size": 8, "keep_tokens": 256}]},
+            "infinitehip.stages[1].block_size_q",
+        ),
         ({"window_tokens": 128}, "infinitehip.window_tokens"),
         ({"stages": [{"chunk_size": 8}]}, "infinitehip.stages[0].keep_tokens"),
         ({"stages": [{"chunk_size": 8, "keep_tokens": 64, "size": 1}]}, "infinitehip.stages[0].size"),
@@ -77,6 +83,21 @@ def test_bad_config_names_the_field(raw, field):
     with pytest.raises(InfiniteHiPConfigError) as e:
         InfiniteHiPConfig.from_user(raw)
     assert field in str(e.value)
+
+
+def test_a_first_stage_may_score_coarser_query_blocks():
+    c = InfiniteHiPConfig.from_user({"stages": [
+        {"chunk_size": 256, "keep_tokens": 32768, "block_size_q": 128, "query_stride": 8},
+        {"chunk_size": 32, "keep_tokens": 8192, "block_size_q": 64, "query_stride": 4},
+        {"chunk_size": 8, "keep_tokens": 2048, "block_size_q": 64, "query_stride": 1},
+    ]})  # fmt: skip
+    assert [s.block_size_q for s in c.stages] == [128, 64, 64]
+    with pytest.raises(InfiniteHiPConfigError, match=r"stages\[1\].block_size_q.*must divide"):
+        InfiniteHiPConfig.from_user({"stages": [
+            {"chunk_size": 256, "keep_tokens": 32768, "block_size_q": 96, "query_stride": 8},
+            {"chunk_size": 32, "keep_tokens": 8192, "block_size_q": 64},
+            {"chunk_size": 8, "keep_tokens": 2048, "block_size_q": 64, "query_stride": 1},
+        ]})  # fmt: skip
 
 
 def test_tail_window_fills_the_trained_length_with_the_final_budget():

@@ -124,6 +124,41 @@ def test_resuming_from_cached_stage_input_reproduces_the_mask():
         assert torch.equal(again.block_valid, full.block_valid)
 
 
+def test_a_coarse_first_stage_hands_its_survivors_to_each_finer_block():
+    """Stage 0 over 32-query blocks, then 16-query blocks (neighbouring blocks share stage 0):
+    each fine block's stage-1 input is its coarse block's stage-0 survivors, split; from there
+    the cascade is the fine blocks' own (a resume at stage 1 from that input)."""
+    t, nq = 3000, 72  # coarse blocks 32, 32, 8; fine blocks 16 x 4 and 8
+    q, k, _ = rand_qkv(t, nq, 4, 2, 32, seed=9)
+    pos = torch.arange(t - nq, t)
+    fine = params(sink=16, window=256, chunks=(64, 16, 4), keeps=(1024, 256, 64), bq=16)
+    coarse_first = ref.StageParams(64, 1024, 32, 8)
+    mixed = ref.PruneParams(16, 256, (coarse_first, *fine.stages[1:]), "midpoint")
+    assert mixed.block_size_q == 16  # block-sparse attention keeps the last stage's blocks
+
+    got = ref.run_stages(mixed, q, k, pos, 0.2)
+    stage0 = ref.run_stages(ref.PruneParams(16, 256, (coarse_first,), "midpoint"), q, k, pos, 0.2)
+    assert stage0.block_starts.shape[0] == 3
+    key_limit = pos[::16] + 1
+    split = ref.split_chunks(stage0.block_starts, stage0.block_valid, 64, 16, pos[::32] + 1)
+    want_in = ref.Candidates(split.starts.repeat_interleave(2, 0)[:5],
+                             split.valid.repeat_interleave(2, 0)[:5])  # fmt: skip
+    in_reach = want_in.starts < key_limit.view(-1, 1)
+    want_in = ref.Candidates(want_in.starts, want_in.valid & in_reach)
+    got_in = got.stage_inputs[1]
+    assert torch.equal(got_in.valid, want_in.valid)
+    assert torch.equal(got_in.starts[got_in.valid], want_in.starts[want_in.valid])
+    # neighbouring fine blocks really share the coarse block's candidates
+    assert torch.equal(got_in.valid[0], got_in.valid[1]) and bool(got_in.valid[0].any())
+    want = ref.run_stages(fine, q, k, pos, 0.2, start_stage=1, start_input=want_in)
+    assert torch.equal(got.block_valid, want.block_valid)
+    assert torch.equal(got.block_starts[got.block_valid], want.block_starts[want.block_valid])
+    assert got.block_starts.shape[0] == 5  # the final blocks are the fine ones
+    # and the coarse first stage is a different selection from the all-fine cascade's
+    fine_in = ref.run_stages(fine, q, k, pos, 0.2).stage_inputs[1]
+    assert not torch.equal(fine_in.starts[fine_in.valid], got_in.starts[got_in.valid])
+
+
 def _two_rank_masks(p, q, k, pos, reduce: bool):
     """run_stages as two tensor-parallel ranks run it (each its half of the q and kv heads),
     in two threads; with ``reduce``, each stage's scores are max-combined as tp_mask "global"

@@ -267,6 +267,35 @@ def test_run_stages_paged_equals_reference(nq, probe, page):
     assert_same_resume(params, q, k, cache, block_table, pos, scale, want)
 
 
+@pytest.mark.parametrize("pruning", [None, "relative", "chunk-indexed"])
+def test_run_stages_paged_with_a_coarse_first_stage_equals_reference(pruning):
+    """Stage 0 over 32-query blocks, the later stages over 16 (neighbouring blocks share the
+    first stage's work): the kernel cascade hands the survivors down as the reference does,
+    with each RoPE style's per-block placement."""
+    t, nq, hq, hkv, d, page, scale = 900, 40, 8, 2, 64, 16, 0.125
+    gen = torch.Generator().manual_seed(17)
+    table = RopeTable.default(d, 10000.0)
+    pos = torch.arange(t - nq, t)
+    k = torch.randn(t, hkv, d, generator=gen)
+    q = torch.randn(nq, hq, d, generator=gen)
+    rope = None
+    if pruning is not None:
+        k, q = rotate(k, torch.arange(t), table), rotate(q, pos, table)
+        rope = ref.RopePlan(table, pruning, "streaming")
+    cache, block_table = paged_cache(k, page, gen)
+    fine = small_params("midpoint").stages
+    stages = (ref.StageParams(32, 256, 32, 8), *fine[1:])
+    params = ref.PruneParams(16, 64, stages, "midpoint", rope)
+
+    want = ref.run_stages(params, q, k, pos, scale)
+    assert want.stage_inputs[0].starts.shape[0] == 2 and want.block_starts.shape[0] == 3
+    assert bool(want.block_valid.any())
+    got = tp.run_stages_paged(
+        params, q.to(DEVICE), cache, block_table, pos.to(DEVICE), scale, seq_len=t
+    )
+    assert_same_selection(got, want)
+
+
 def test_run_stages_paged_static_bound_keeps_selection():
     # Sizing stage 1 by an allocated maximum instead of the live length only adds invalid
     # chunks (as long as the keep count is unchanged), so the valid selection is the same.

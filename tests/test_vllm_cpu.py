@@ -107,6 +107,26 @@ def test_a_batch_of_four_long_prompts_equals_each_prompt_alone(hip_llm):
     assert together == alone
 
 
+def test_a_coarse_first_stage_runs_sparse_and_a_batch_equals_each_prompt_alone(
+    tiny_model, tmp_path
+):
+    """The first pruning stage over 64-query blocks, the later ones over 32 (neighbouring blocks
+    share the first stage's prefill work): through vLLM, prefill and decode run sparse, and a
+    batch gives what each prompt gives alone (chunks and prefix hits on the coarse grid)."""
+    hip = {**SMALL_HIP, "stages": [dict(st) for st in SMALL_HIP["stages"]]}
+    hip["stages"][0].update(block_size_q=64, query_stride=8)
+    spec = {"engine": {**ENGINE_KW, "additional_config": {"infinitehip": hip}},
+            "prompts": [long_prompt(1500, "mu"), long_prompt(2300, "nu"), long_prompt(1900, "xi")],
+            "max_tokens": 8, "report": True}  # fmt: skip
+    together = generate_in_subprocess(tiny_model, "infinitehip", spec, tmp_path, "together")
+    alone = generate_in_subprocess(tiny_model, "infinitehip", {**spec, "one_at_a_time": True},
+                                   tmp_path, "alone")  # fmt: skip
+    assert together["tokens"] == alone["tokens"]
+    counts = together["report"]["stats"]
+    assert counts["sparse_prefill_queries"] > 0
+    assert counts["sparse_decode_queries"] == 2 * 3 * 7  # layers x prompts x decode steps
+
+
 def test_requests_at_mixed_refresh_levels_equal_each_alone(hip_llm):
     """Requests added steps apart decode side by side at different refresh levels; rows join
     the stages of their own level only."""

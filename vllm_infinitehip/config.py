@@ -99,7 +99,10 @@ class InfiniteHiPConfig:
       ``refresh_intervals`` unless those are given too.
     - ``sink_tokens``: the first tokens every query attends to (n_sink).
     - ``window_tokens``: the sliding window of the most recent tokens (n_stream).
-    - ``stages``: list of ``{"chunk_size", "keep_tokens", "block_size_q", "query_stride"}``.
+    - ``stages``: list of ``{"chunk_size", "keep_tokens", "block_size_q", "query_stride"}``. A
+      stage may score coarser query blocks than the next (its ``block_size_q`` a multiple of the
+      next one's): neighbouring blocks then share its work, and the last stage's blocks are
+      block-sparse attention's.
     - ``dense_layer_keep_tokens`` / ``dense_layers``: layers that keep a larger final budget.
     - ``refresh_intervals``: one decode-step interval per stage for recomputing the mask.
     - ``dense_threshold``: sequences up to this many tokens run exact dense attention.
@@ -209,7 +212,7 @@ class InfiniteHiPConfig:
             return None
         if self.prefill_tail_window == "auto":
             auto = trained_context - self.sink_tokens - self.final_keep_tokens
-            return max(self.window_tokens, auto - self.stages[0].block_size_q)
+            return max(self.window_tokens, auto - self.stages[-1].block_size_q)
         return max(self.window_tokens, int(self.prefill_tail_window))
 
     def final_keep_for_layer(self, layer_index: int) -> int:
@@ -401,11 +404,11 @@ class InfiniteHiPConfig:
                         f"`{where}.keep_tokens`={s.keep_tokens} must not exceed "
                         f"`infinitehip.stages[{i - 1}].keep_tokens`={prev.keep_tokens}"
                     )
-                if s.block_size_q != prev.block_size_q:
+                if prev.block_size_q % s.block_size_q:
                     raise InfiniteHiPConfigError(
-                        f"`{where}.block_size_q`={s.block_size_q} must equal "
-                        f"`infinitehip.stages[{i - 1}].block_size_q`={prev.block_size_q}: "
-                        f"all stages share the query blocks"
+                        f"`{where}.block_size_q`={s.block_size_q} must divide "
+                        f"`infinitehip.stages[{i - 1}].block_size_q`={prev.block_size_q}: a "
+                        f"stage's query blocks split into the next stage's"
                     )
         first = self.stages[0].chunk_size
         if self.window_tokens < first:
