@@ -470,15 +470,6 @@ def run_stages(
     per stage whatever the branch, so that every rank makes the same collective calls.
     """
     seq_len = k.shape[0]
-
-    def blocks(bq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(min position, key limit: the keys every query of a block may see) per block."""
-        blk = query_block_ids(q.shape[0], bq).to(q_positions.device)
-        n_blocks = int(blk[-1]) + 1 if q.shape[0] else 0
-        min_pos = torch.full((n_blocks,), seq_len, dtype=torch.long, device=q.device)
-        min_pos = min_pos.scatter_reduce(0, blk, q_positions.long(), reduce="amin")
-        return min_pos, torch.clamp(min_pos + 1, max=seq_len)
-
     rope = params.rope
     remap = rope is not None and rope.pruning != "none"
     if remap:
@@ -488,7 +479,7 @@ def run_stages(
 
     stage_inputs: list[Candidates] = []
     n_stages = len(params.stages)
-    block_min_pos, key_limit = blocks(params.stages[start_stage].block_size_q)
+    block_min_pos, key_limit = block_bounds(q_positions, params.stages[start_stage].block_size_q)
     if start_stage == 0:
         cand = first_stage_candidates(params, seq_len, block_min_pos)
     else:
@@ -513,9 +504,22 @@ def run_stages(
         nxt = params.stages[i + 1]
         cand = split_chunks(kept_starts, kept_valid, st.chunk_size, nxt.chunk_size, key_limit)
         if nxt.block_size_q != st.block_size_q:
-            block_min_pos, key_limit = blocks(nxt.block_size_q)
+            block_min_pos, key_limit = block_bounds(q_positions, nxt.block_size_q)
             cand = refine_blocks(cand, st.block_size_q // nxt.block_size_q, key_limit)
     raise AssertionError("unreachable: at least one stage runs")
+
+
+def block_bounds(q_positions: torch.Tensor, block_size_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query block of ``block_size_q`` queries (counted from the first): its smallest
+    position, and its key limit, the keys every query of the block may see (that + 1)."""
+    nq = q_positions.shape[0]
+    blk = torch.arange(nq, device=q_positions.device) // block_size_q
+    # every block holds a query, so the fill never survives the min
+    fill = torch.iinfo(torch.long).max
+    min_pos = torch.full((-(-nq // block_size_q),), fill, dtype=torch.long,
+                         device=q_positions.device)  # fmt: skip
+    min_pos = min_pos.scatter_reduce(0, blk, q_positions.long(), reduce="amin")
+    return min_pos, min_pos + 1
 
 
 def refine_blocks(cand: Candidates, factor: int, key_limit: torch.Tensor) -> Candidates:

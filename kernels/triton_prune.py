@@ -591,17 +591,8 @@ def run_stages_paged(
     device = q.device
     if seq_len is None and start_stage == 0:
         seq_len = int(q_positions[-1]) + 1 if nq else 0
-
-    def blocks(bq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(min position, key limit) per query block of ``bq`` queries."""
-        blk = torch.arange(nq, device=device) // bq
-        # Every block holds a query, so the fill never survives the min.
-        fill = torch.iinfo(torch.long).max
-        min_pos = torch.full((-(-nq // bq),), fill, dtype=torch.long, device=device)
-        min_pos = min_pos.scatter_reduce(0, blk, q_positions.long(), reduce="amin")
-        return min_pos, min_pos + 1  # positions < seq_len: the reference's clamp is a no-op
-
-    block_min_pos, key_limit = blocks(params.stages[start_stage].block_size_q)
+    first_bq = params.stages[start_stage].block_size_q
+    block_min_pos, key_limit = ref.block_bounds(q_positions, first_bq)
 
     if start_stage == 0:
         cand = ref.first_stage_candidates(params, seq_len, block_min_pos)
@@ -667,6 +658,6 @@ def run_stages_paged(
         nxt = params.stages[i + 1]
         cand = ref.split_chunks(kept_starts, kept_valid, st.chunk_size, nxt.chunk_size, key_limit)
         if nxt.block_size_q != st.block_size_q:
-            block_min_pos, key_limit = blocks(nxt.block_size_q)
+            block_min_pos, key_limit = ref.block_bounds(q_positions, nxt.block_size_q)
             cand = ref.refine_blocks(cand, st.block_size_q // nxt.block_size_q, key_limit)
     raise ValueError(f"start_stage={start_stage} leaves no stage to run (have {n_stages})")
