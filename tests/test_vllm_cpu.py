@@ -115,16 +115,17 @@ def test_a_coarse_first_stage_runs_sparse_and_a_batch_equals_each_prompt_alone(
     batch gives what each prompt gives alone (chunks and prefix hits on the coarse grid)."""
     hip = {**SMALL_HIP, "stages": [dict(st) for st in SMALL_HIP["stages"]]}
     hip["stages"][0].update(block_size_q=64, query_stride=8)
+    prompts = [long_prompt(1500, "mu"), long_prompt(2300, "nu"), long_prompt(1900, "xi")]
     spec = {"engine": {**ENGINE_KW, "additional_config": {"infinitehip": hip}},
-            "prompts": [long_prompt(1500, "mu"), long_prompt(2300, "nu"), long_prompt(1900, "xi")],
-            "max_tokens": 8, "report": True}  # fmt: skip
-    together = generate_in_subprocess(tiny_model, "infinitehip", spec, tmp_path, "together")
-    alone = generate_in_subprocess(tiny_model, "infinitehip", {**spec, "one_at_a_time": True},
-                                   tmp_path, "alone")  # fmt: skip
-    assert together["tokens"] == alone["tokens"]
-    counts = together["report"]["stats"]
+            "prompts": prompts, "max_tokens": 8, "report": True,
+            "batch_then_alone": True}  # fmt: skip
+    out = generate_in_subprocess(tiny_model, "infinitehip", spec, tmp_path, "coarse")
+    together, alone = out["tokens"][:3], out["tokens"][3:]
+    assert together == alone and len(alone) == 3
+    counts = out["report"]["stats"]
     assert counts["sparse_prefill_queries"] > 0
-    assert counts["sparse_decode_queries"] == 2 * 3 * 7  # layers x prompts x decode steps
+    # layers x prompts x decode steps, batched and alone
+    assert counts["sparse_decode_queries"] == 2 * 3 * 7 * 2
 
 
 def test_requests_at_mixed_refresh_levels_equal_each_alone(hip_llm):

@@ -101,8 +101,12 @@ if __name__ == "__main__":
         tokens = staggered_generate(llm, spec["prompts"], spec["stagger"], spec["max_tokens"])
     else:
         params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"])
-        # one_at_a_time: each prompt alone in the batch, one engine for all
-        groups = [[p] for p in spec["prompts"]] if spec.get("one_at_a_time") else [spec["prompts"]]
+        # one_at_a_time: each prompt alone in the batch, one engine for all; batch_then_alone:
+        # the batch, then each prompt alone (2 x the prompts' token lists)
+        alone = [[p] for p in spec["prompts"]]
+        groups = (alone if spec.get("one_at_a_time")
+                  else [spec["prompts"], *alone] if spec.get("batch_then_alone")
+                  else [spec["prompts"]])  # fmt: skip
         tokens = [list(o.outputs[0].token_ids) for g in groups for o in llm.generate(g, params)]
     if not spec.get("report"):
         json.dump(tokens, open(path_out, "w"))
