@@ -509,15 +509,17 @@ def run_stages(
     raise AssertionError("unreachable: at least one stage runs")
 
 
-def block_bounds(q_positions: torch.Tensor, block_size_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_bounds(
+    q_positions: torch.Tensor, block_size_q: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query block of ``block_size_q`` queries (counted from the first): its smallest
     position, and its key limit, the keys every query of the block may see (that + 1)."""
     nq = q_positions.shape[0]
-    blk = torch.arange(nq, device=q_positions.device) // block_size_q
+    device = q_positions.device
+    blk = query_block_ids(nq, block_size_q).to(device)
     # every block holds a query, so the fill never survives the min
     fill = torch.iinfo(torch.long).max
-    min_pos = torch.full((-(-nq // block_size_q),), fill, dtype=torch.long,
-                         device=q_positions.device)  # fmt: skip
+    min_pos = torch.full((-(-nq // block_size_q),), fill, dtype=torch.long, device=device)
     min_pos = min_pos.scatter_reduce(0, blk, q_positions.long(), reduce="amin")
     return min_pos, min_pos + 1
 

@@ -4,6 +4,8 @@ conditional bodies that allocate from the graph's pool (``kernels/graph_if.py``)
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -18,17 +20,13 @@ class RecordingGate:
     def __init__(self) -> None:
         self.log: list[tuple] = []
 
+    @contextlib.contextmanager
     def region(self, index, pool):
-        gate = self
-
-        class Region:
-            def __enter__(self):
-                gate.log.append(("open", index, pool))
-
-            def __exit__(self, *exc):
-                gate.log.append(("close", index))
-
-        return Region()
+        self.log.append(("open", index, pool))
+        try:
+            yield
+        finally:
+            self.log.append(("close", index))
 
 
 @pytest.fixture

@@ -29,12 +29,9 @@ and the per-layer gate stays.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator
 
 import torch
-
-logger = logging.getLogger("vllm.vllm_infinitehip")
 
 REFRESH = "refresh"
 REUSE = "reuse"
@@ -61,12 +58,16 @@ def branch(name: str) -> Iterator[None]:
         _branch = previous
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def offer(gate: object, device: torch.device, owner: object) -> None:
     """A builder's step gate: a ``graph_if.GraphIf`` of two regions on its refresh flag, the
     second inverted. Branching needs exactly one per engine (``owner``, its ``VllmConfig``):
     an engine with two infinitehip KV-cache groups has two flags and keeps per-layer gates. A
     new engine in the same process replaces the last one's offers."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     entry = _offers.get(index)
     if entry is None or entry[0] is not owner:
         _offers[index] = (owner, [gate])
@@ -77,8 +78,7 @@ def offer(gate: object, device: torch.device, owner: object) -> None:
 
 def step_gate(device: torch.device) -> object | None:
     """The gate to branch on for ``device``, or None when there is not exactly one."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    entry = _offers.get(index)
+    entry = _offers.get(_index(device))
     if entry is None or len(entry[1]) != 1:
         return None
     return entry[1][0]
@@ -92,22 +92,18 @@ def capture_branched(forward: Callable[[], object], pool: tuple[int, int] | None
     gate = step_gate(device)
     if gate is None:
         return False
-    if not _logged:
-        _log_once()
+    # imported here: this module stays free of vLLM (and so of Triton) at import, which the
+    # interpreted kernel tests need
+    from vllm.logger import init_logger
+
+    init_logger(f"vllm.{__name__}").info_once(
+        "infinitehip: decode graphs branch once per step on the refresh flag"
+    )
     with gate.region(0, pool), branch(REFRESH):
         forward()
     with gate.region(1, pool), branch(REUSE):
         forward()
     return True
-
-
-_logged = False
-
-
-def _log_once() -> None:
-    global _logged
-    _logged = True
-    logger.info("infinitehip: decode graphs branch once per step on the refresh flag")
 
 
 def install() -> None:
