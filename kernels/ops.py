@@ -1,10 +1,13 @@
 """The attention work of one layer, by device: the PyTorch reference or the Triton kernels.
 
 :class:`AttentionOps` is the interface the backend calls; :func:`ops_for` picks the
-implementation. Prefill works on one request at a time (:class:`RequestKV`: its block-table row
-and length); decode works on all decode rows of a step at once (:class:`decode.DecodeRows`),
-through the masks kept per state slot (:class:`decode.DecodeMasks`). Both read the paged cache
-``[num_blocks, 2, block_size, H_kv, D]``.
+implementation. Prefill works on all of a step's chunks at once: the dense ones as one varlen
+call (:class:`query_blocks.DenseRows`), the sparse ones as query blocks of several requests
+(:class:`query_blocks.QueryBlocks`), one cascade and one attention launch per kind of part. The
+reference runs them request by request (:class:`RequestKV`: its block-table row and length),
+which the single-request methods also serve. Decode works on all decode rows of a step at once
+(:class:`decode.DecodeRows`), through the masks kept per state slot
+(:class:`decode.DecodeMasks`). All read the paged cache ``[num_blocks, 2, block_size, H_kv, D]``.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-
 from vllm_infinitehip.kernels import decode as dec
 from vllm_infinitehip.kernels import reference as ref
+from vllm_infinitehip.kernels.query_blocks import DenseRows, QueryBlocks
 
 
 @dataclass
@@ -77,6 +80,23 @@ class AttentionOps(Protocol):
                positions: torch.Tensor, scale: float, prune: ref.PruneResult,
                slice_end: int) -> tuple[torch.Tensor, int | torch.Tensor]: ...  # fmt: skip
 
+    def dense_rows(self, rows: DenseRows, q: torch.Tensor, out: torch.Tensor,
+                   kv_cache: torch.Tensor, block_table: torch.Tensor, scale: float, *,
+                   k_scale: float | torch.Tensor | None = None,
+                   v_scale: float | torch.Tensor | None = None) -> None: ...  # fmt: skip
+
+    def prune_blocks(self, params: ref.PruneParams, blocks: QueryBlocks, q: torch.Tensor,
+                     kv_cache: torch.Tensor, block_table: torch.Tensor, scale: float, *,
+                     k_scale: float | torch.Tensor | None = None,
+                     v_scale: float | torch.Tensor | None = None) -> ref.PruneResult: ...  # fmt: skip
+
+    def attend_blocks(self, params: ref.PruneParams, blocks: QueryBlocks, q: torch.Tensor,
+                      kv_cache: torch.Tensor, block_table: torch.Tensor, scale: float,
+                      prune: ref.PruneResult, out: torch.Tensor, *,
+                      k_scale: float | torch.Tensor | None = None,
+                      v_scale: float | torch.Tensor | None = None,
+                      ) -> int | torch.Tensor: ...  # fmt: skip
+
     def refresh_decode(self, params: ref.PruneParams, masks: dec.DecodeMasks, q: torch.Tensor,
                        kv_cache: torch.Tensor, rows: dec.DecodeRows, scale: float,
                        scratch: DecodeScratch, *, k_scale: float | torch.Tensor | None = None,
@@ -109,6 +129,51 @@ class ReferenceOps:
         out, _, attended = ref.sparse_attention(params, q, k, v, positions, scale, prune=prune)
         return out, attended
 
+    # A step's chunks, request by request: the oracle of the batched kernels.
+    def dense_rows(self, rows, q, out, kv_cache, block_table, scale, *, k_scale=None,
+                   v_scale=None):  # fmt: skip
+        for p in rows.parts:
+            req = RequestKV(kv_cache, block_table[p.row], p.seq_len, k_scale=k_scale,
+                            v_scale=v_scale)  # fmt: skip
+            positions = torch.arange(p.first_pos, p.slice_end, device=q.device)
+            out[p.q_lo : p.q_hi] = self.dense(req, q[p.q_lo : p.q_hi], positions, scale)
+
+    def prune_blocks(self, params, blocks, q, kv_cache, block_table, scale, *, k_scale=None,
+                     v_scale=None):  # fmt: skip
+        """Each part's cascade alone, stacked into the batch's final blocks (a part's padding
+        blocks and extra entries invalid; stage inputs are not kept)."""
+        fine = blocks.refine(params.block_size_q)
+        results = []
+        for p in blocks.parts:
+            req = RequestKV(kv_cache, block_table[p.row], p.seq_len, k_scale=k_scale,
+                            v_scale=v_scale)  # fmt: skip
+            positions = torch.arange(p.first_pos, p.slice_end, device=q.device)
+            results.append(self.prune(params, req, q[p.q_lo : p.q_hi], positions, scale))
+        width = max((r.block_starts.shape[1] for r in results), default=0)
+        starts = torch.zeros(fine.num_blocks, width, dtype=torch.long, device=q.device)
+        valid = torch.zeros(fine.num_blocks, width, dtype=torch.bool, device=q.device)
+        for lo, r in zip(fine.part_blocks, results):
+            n, w = r.block_starts.shape
+            starts[lo : lo + n, :w] = r.block_starts
+            valid[lo : lo + n, :w] = r.block_valid
+        return ref.PruneResult(starts, valid, [])
+
+    def attend_blocks(self, params, blocks, q, kv_cache, block_table, scale, prune, out, *,
+                      k_scale=None, v_scale=None):  # fmt: skip
+        fine = blocks.refine(params.block_size_q)
+        attended = 0
+        for lo, p in zip(fine.part_blocks, blocks.parts):
+            req = RequestKV(kv_cache, block_table[p.row], p.seq_len, k_scale=k_scale,
+                            v_scale=v_scale)  # fmt: skip
+            positions = torch.arange(p.first_pos, p.slice_end, device=q.device)
+            hi = lo + -(-(p.q_hi - p.q_lo) // params.block_size_q)
+            part = ref.PruneResult(prune.block_starts[lo:hi], prune.block_valid[lo:hi], [])
+            o, pairs = self.attend(params, req, q[p.q_lo : p.q_hi], positions, scale, part,
+                                   p.slice_end)  # fmt: skip
+            out[p.q_lo : p.q_hi] = o
+            attended += pairs
+        return attended
+
     def refresh_decode(self, params, masks, q, kv_cache, rows, scale, scratch, *, k_scale=None,
                        v_scale=None):  # fmt: skip
         dec.refresh_masks_reference(params, masks, q, kv_cache, rows, scale, scratch.bank,
@@ -140,11 +205,52 @@ class TritonOps:
         """vLLM's own FlashAttention over the paged cache where it runs (fp16/bf16 on CUDA,
         checked once per device and cache kind by :func:`flash_attention_works`), else a gather
         (an fp8 cache dequantized) and SDPA."""
-        kv_fp8 = ref.is_fp8_cache(req.kv_cache)
-        if q.dtype in (torch.float16, torch.bfloat16) and flash_attention_works(q.device, kv_fp8):
+        if _flash_serves(q, req.kv_cache):
             return _flash_dense(req, q, scale)
         k, v = req.contiguous()
         return ref.dense_attention(q, k, v, positions, scale)
+
+    def dense_rows(self, rows, q, out, kv_cache, block_table, scale, *, k_scale=None,
+                   v_scale=None):  # fmt: skip
+        """All dense chunks in one varlen FlashAttention call where it serves (else one gather
+        and SDPA per chunk, as :meth:`dense`)."""
+        if not _flash_serves(q, kv_cache):
+            return ReferenceOps.dense_rows(self, rows, q, out, kv_cache, block_table, scale,
+                                           k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        lo, hi = rows.q_range
+        q_rows = q[lo:hi] if rows.token_index is None else q.index_select(0, rows.token_index)
+        o = _flash_varlen(q_rows, kv_cache, block_table.index_select(0, rows.rows),
+                          rows.cu_seqlens_q, rows.seqused_k, rows.max_q, rows.max_k, scale,
+                          k_scale, v_scale)  # fmt: skip
+        if rows.token_index is None:
+            out[lo:hi] = o
+        else:
+            out.index_copy_(0, rows.token_index, o)
+
+    def prune_blocks(self, params, blocks, q, kv_cache, block_table, scale, *, k_scale=None,
+                     v_scale=None):  # fmt: skip
+        from vllm_infinitehip.kernels.triton_prune import run_stages_blocks
+
+        return run_stages_blocks(params, q, blocks, kv_cache, block_table, scale,
+                                 precision=self.precision, k_scale=k_scale, v_scale=v_scale,
+                                 reduce_scores=self.reduce_scores)  # fmt: skip
+
+    def attend_blocks(self, params, blocks, q, kv_cache, block_table, scale, prune, out, *,
+                      k_scale=None, v_scale=None):  # fmt: skip
+        """One launch for every block; the pair count is the budget, as in :meth:`attend`."""
+        from vllm_infinitehip.kernels import triton_bsa
+
+        fine = blocks.refine(params.block_size_q)
+        streaming = params.rope is not None and params.rope.bsa == "streaming"
+        triton_bsa.sparse_prefill_attention_blocks(
+            q, kv_cache, block_table, fine, prune.block_starts.to(torch.int32), prune.block_valid,
+            block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
+            window_tokens=params.window_tokens, scale=scale, out=out,
+            rope=params.rope.table if streaming else None, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+        present, positions = fine.query_rows()
+        return _budget_pairs(params, streaming, present, positions, fine.first_pos,
+                             prune.block_valid)  # fmt: skip
 
     def prune(self, params, req, q, positions, scale):
         from vllm_infinitehip.kernels.triton_prune import run_stages_paged
@@ -175,12 +281,8 @@ class TritonOps:
             v_scale=req.v_scale,
         )  # fmt: skip
         blk = torch.arange(q.shape[0], device=q.device) // params.block_size_q
-        budget = params.sink_tokens + params.window_tokens
-        if streaming:  # a query sees its whole block's window, from the block's first query
-            budget = budget + (positions - positions[blk * params.block_size_q])
-        per_query = torch.clamp(positions + 1, max=budget)
-        selected = (n_valid.long() * params.block_size_k)[blk]
-        return out, (per_query + selected).sum()
+        first = positions[blk * params.block_size_q]
+        return out, _budget_pairs(params, streaming, None, positions, first, n_valid, blk)
 
     def refresh_decode(self, params, masks, q, kv_cache, rows, scale, scratch, *, k_scale=None,
                        v_scale=None):  # fmt: skip
@@ -212,14 +314,58 @@ class TritonOps:
         )  # fmt: skip
 
 
-def _descale(scale: float | torch.Tensor, hkv: int, device: torch.device) -> torch.Tensor:
+def _budget_pairs(
+    params: ref.PruneParams, streaming: bool, present: torch.Tensor | None,
+    positions: torch.Tensor, block_first: torch.Tensor, n_valid: torch.Tensor,
+    blk: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """(query, key) pairs a prefill chunk's queries may attend, as a 0-dim device tensor: sink,
+    window and selected blocks, an upper bound. ``positions`` per query with ``blk`` its block,
+    or per block row ``[blocks, b_q]`` with ``present`` its real queries; ``block_first``: each
+    query's block's first position; ``n_valid``: each block's valid selections (or the mask)."""
+    if n_valid.dim() == 2:
+        n_valid = n_valid.sum(dim=1)
+    budget = params.sink_tokens + params.window_tokens
+    if blk is None:  # block rows
+        first, selected = block_first.view(-1, 1), (n_valid.long() * params.block_size_k)[:, None]
+    else:
+        first, selected = block_first, (n_valid.long() * params.block_size_k)[blk]
+    if streaming:  # a query sees its whole block's window, from the block's first query
+        budget = budget + (positions - first)
+    per_query = torch.clamp(positions + 1, max=budget) + selected
+    return (per_query if present is None else per_query * present).sum()
+
+
+def _flash_serves(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    kv_fp8 = ref.is_fp8_cache(kv_cache)
+    return q.dtype in (torch.float16, torch.bfloat16) and flash_attention_works(q.device, kv_fp8)
+
+
+def _descale(scale: float | torch.Tensor, n_seqs: int, hkv: int,
+             device: torch.device) -> torch.Tensor:  # fmt: skip
     """A per-tensor scale as FA3's ``*_descale`` ``[num_seqs, H_kv]`` (vLLM's FA backend
     expands the layer's scale the same way)."""
-    return torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(1, 1).expand(1, hkv)
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=device)
+    return scale.reshape(1, 1).expand(n_seqs, hkv)
 
 
 def _flash_dense(req: RequestKV, q: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last ``len(q)`` positions of one request with vLLM's FA.
+    """Causal attention of the last ``len(q)`` positions of one request with vLLM's FA."""
+    # host-built lengths: prefill runs eagerly, so these small copies are fine
+    n, device = q.shape[0], q.device
+    cu_q = torch.tensor([0, n], dtype=torch.int32, device=device)
+    seqused_k = torch.tensor([req.seq_len], dtype=torch.int32, device=device)
+    return _flash_varlen(q, req.kv_cache, req.block_table_row.view(1, -1), cu_q, seqused_k, n,
+                         req.seq_len, scale, req.k_scale, req.v_scale)  # fmt: skip
+
+
+def _flash_varlen(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor, max_q: int, max_k: int, scale: float,
+    k_scale: float | torch.Tensor | None, v_scale: float | torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """Causal attention of several requests' last queries (concatenated, ``cu_seqlens_q``) over
+    their pages (``block_tables`` ``[requests, pages]``) with vLLM's FA, in one call.
 
     An fp8 cache goes through FA3's fp8 path, as in vLLM's own FLASH_ATTN backend: the planes
     viewed as float8_e4m3fn with ``k_descale`` / ``v_descale`` the layer's scales. FA3 multiplies
@@ -234,31 +380,29 @@ def _flash_dense(req: RequestKV, q: torch.Tensor, scale: float) -> torch.Tensor:
         get_flash_attn_version,
     )
 
-    n, device, dtype = q.shape[0], q.device, q.dtype
-    kv, fp8 = req.kv_cache, ref.is_fp8_cache(req.kv_cache)
+    device, dtype = q.device, q.dtype
+    kv, fp8 = kv_cache, ref.is_fp8_cache(kv_cache)
     extra = {}
     if fp8:
         hkv = kv.shape[3]
         kv = kv.view(ref.FP8_DTYPE)
-        if req.k_scale is None or req.v_scale is None:
+        if k_scale is None or v_scale is None:
             raise ValueError("an fp8 KV cache needs the request's k_scale and v_scale")
         q_scale = q.abs().amax().float().clamp(min=1e-30) / ref.FP8_MAX
         q = ref.quantize_fp8(q, q_scale)
+        n_seqs = seqused_k.shape[0]
         extra = {
-            "q_descale": _descale(q_scale, hkv, device),
-            "k_descale": _descale(req.k_scale, hkv, device),
-            "v_descale": _descale(req.v_scale, hkv, device),
+            "q_descale": _descale(q_scale, n_seqs, hkv, device),
+            "k_descale": _descale(k_scale, n_seqs, hkv, device),
+            "v_descale": _descale(v_scale, n_seqs, hkv, device),
         }
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
     else:
         out = torch.empty_like(q)
-    # host-built lengths: prefill runs eagerly, so these small copies are fine
-    cu_q = torch.tensor([0, n], dtype=torch.int32, device=device)
-    seqused_k = torch.tensor([req.seq_len], dtype=torch.int32, device=device)
     flash_attn_varlen_func(
-        q=q, k=kv[:, 0], v=kv[:, 1], out=out, cu_seqlens_q=cu_q,
-        max_seqlen_q=n, seqused_k=seqused_k, max_seqlen_k=req.seq_len, softmax_scale=scale,
-        causal=True, block_table=req.block_table_row.view(1, -1).to(torch.int32),
+        q=q, k=kv[:, 0], v=kv[:, 1], out=out, cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_q, seqused_k=seqused_k, max_seqlen_k=max_k, softmax_scale=scale,
+        causal=True, block_table=block_tables.to(torch.int32),
         fa_version=get_flash_attn_version(head_size=q.shape[-1]), **extra,
     )  # fmt: skip
     return out.to(dtype)

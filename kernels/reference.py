@@ -603,12 +603,17 @@ def relative_queries(
 
 
 def chunk_indexed_key_turn(
-    n_candidates: int, block_min_pos: torch.Tensor, scan_window: int
-) -> torch.Tensor:
+    n_candidates: int, block_min_pos: torch.Tensor, scan_window: int,
+    block_candidates: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``[n_blocks, C]``: chunk-indexed style (§2) puts chunk ``j``'s keys at ``j`` and the
     query at ``min(p, C + sw')``. Only the gap matters, so keys at position 0 turn by this
-    (ordinal minus query position) and the queries stay at 0."""
+    (ordinal minus query position) and the queries stay at 0. ``block_candidates``
+    (``[n_blocks]``): each block's own ``C`` where blocks of several requests share a wider
+    candidate list (their extra entries are invalid)."""
     key_pos, q_pos = chunk_indexed_positions(n_candidates, block_min_pos, scan_window)
+    if block_candidates is not None:
+        q_pos = torch.minimum(block_min_pos.long(), block_candidates.long() + scan_window)
     return key_pos.view(1, -1) - q_pos.view(-1, 1)
 
 

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .query_blocks import QueryBlocks
 from .reference import FP8_DTYPE, is_fp8_cache
 from .rope import RopeTable
 from .triton_rope import (
@@ -43,7 +44,7 @@ from .triton_rope import (
     split_blocks,
 )
 
-__all__ = ["sparse_decode_attention", "sparse_prefill_attention"]
+__all__ = ["sparse_decode_attention", "sparse_prefill_attention", "sparse_prefill_attention_blocks"]
 
 _LOG2E = 1.4426950408889634
 
@@ -644,6 +645,11 @@ def _prefill_kernel(
     q_ptr,
     kv_ptr,
     bt_ptr,
+    rows_ptr,
+    qstart_ptr,
+    count_ptr,
+    firstpos_ptr,
+    end_ptr,
     starts_ptr,
     nvalid_ptr,
     out_ptr,
@@ -659,14 +665,13 @@ def _prefill_kernel(
     stride_tok,
     stride_head,
     stride_d,
+    stride_btr,
     stride_btp,
     stride_sb,
     stride_sk,
     stride_on,
     stride_oh,
     stride_od,
-    seq_len,
-    num_queries,
     sink_tokens,
     window_tokens,
     qk_scale,
@@ -697,13 +702,19 @@ def _prefill_kernel(
     kv_head = h // GROUP
     k_scale, v_scale = _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
 
+    # the block (query_blocks.QueryBlocks): its request's block-table row, its queries' rows
+    # in q and out, how many it holds (none: a padding block), the first one's position, and
+    # where its part of the chunk ends (seq_len: the keys the part may read)
+    bt_ptr += tl.load(rows_ptr + qb).to(tl.int64) * stride_btr
+    n_q = tl.load(count_ptr + qb).to(tl.int32)
+    # a padding block reads nothing: its key ranges below come out empty (none selected)
+    p_min = tl.where(n_q > 0, tl.load(firstpos_ptr + qb).to(tl.int32), 0)
+    seq_len = tl.load(end_ptr + qb).to(tl.int32)
     offs_m = tl.arange(0, BLOCK_Q)
-    qi = qb * BLOCK_SIZE_Q + offs_m
-    q_ok = (offs_m < BLOCK_SIZE_Q) & (qi < num_queries)
-    first_pos = seq_len - num_queries
-    pos = first_pos + qi
-    p_min = first_pos + qb * BLOCK_SIZE_Q
-    p_max = tl.minimum(p_min + BLOCK_SIZE_Q, seq_len) - 1
+    qi = tl.load(qstart_ptr + qb).to(tl.int64) + offs_m
+    q_ok = (offs_m < BLOCK_SIZE_Q) & (offs_m < n_q)
+    pos = p_min + offs_m
+    p_max = p_min + n_q - 1
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     q = tl.load(
@@ -1106,34 +1117,73 @@ def sparse_prefill_attention(
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [Nq, Hq, D], got {tuple(q.shape)}")
+    nq = q.shape[0]
+    if nq > seq_len:
+        raise ValueError(f"{nq} queries cannot be the last positions of a {seq_len}-token sequence")
+    blocks = QueryBlocks.single(nq, seq_len - nq, seq_len, block_size_q, q.device)
+    return sparse_prefill_attention_blocks(
+        q, kv_cache, block_table_row.view(1, -1), blocks, block_starts, block_valid,
+        block_size_k=block_size_k, sink_tokens=sink_tokens, window_tokens=window_tokens,
+        scale=scale, logit_soft_cap=logit_soft_cap, out=out, rope=rope, k_scale=k_scale,
+        v_scale=v_scale,
+    )  # fmt: skip
+
+
+def sparse_prefill_attention_blocks(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    blocks: QueryBlocks,
+    block_starts: torch.Tensor,
+    block_valid: torch.Tensor,
+    *,
+    block_size_k: int,
+    sink_tokens: int,
+    window_tokens: int,
+    scale: float,
+    logit_soft_cap: float = 0.0,
+    out: torch.Tensor | None = None,
+    rope: RopeTable | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`sparse_prefill_attention` for the query blocks of one or more requests (a step's
+    prefill chunks, :class:`query_blocks.QueryBlocks`) in one launch: block ``b`` holds the
+    queries ``q[start[b] : start[b] + count[b]]``, reads row ``row[b]`` of ``block_table``
+    ``[rows, pages]`` and its part of the chunk ends at ``slice_end[b]``; its selected blocks
+    are row ``b`` of ``block_starts`` / ``block_valid``. Each block's rows of ``out`` (shaped
+    like ``q``; other rows are left alone) equal what the request alone gets. No host sync."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [Nq, Hq, D], got {tuple(q.shape)}")
     group, d, page_size = _check_kv(q, kv_cache)
     kv_cache, k_sc, v_sc, kv_fp8 = kv_quant_args(kv_cache, k_scale, v_scale)
-    nq, hq = q.shape[0], q.shape[1]
-    n_qblocks = triton.cdiv(nq, block_size_q)
+    hq = q.shape[1]
+    n_qblocks = blocks.num_blocks
     if block_starts.shape[0] != n_qblocks or block_valid.shape != block_starts.shape:
         raise ValueError(
             f"block_starts {tuple(block_starts.shape)} / block_valid {tuple(block_valid.shape)} "
-            f"must be [{n_qblocks}, K] for {nq} queries in blocks of {block_size_q}"
+            f"must be [{n_qblocks}, K] for {n_qblocks} query blocks"
         )
-    if nq > seq_len:
-        raise ValueError(f"{nq} queries cannot be the last positions of a {seq_len}-token sequence")
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table must be [rows, pages], got {tuple(block_table.shape)}")
     if out is None:
         out = torch.empty_like(q)
-    if nq == 0:
+    if n_qblocks == 0:
         return out
+    block_size_q = blocks.block_size_q
     # Valid entries come first, so their count bounds the loop (a device op: no sync).
     n_valid = block_valid.sum(dim=1, dtype=torch.int32)
     block_d = triton.next_power_of_2(d)
     block_q = max(16, triton.next_power_of_2(block_size_q))
     block_n = 32 if block_d > 128 or block_q > 64 or rope is not None else 64
     qk_scale, cap_log2e, inv_cap_scale = _softmax_consts(scale, logit_soft_cap)
-    capacity = max(block_table_row.shape[0] * page_size, seq_len)
+    capacity = max(block_table.shape[1] * page_size, blocks.max_seq_len)
     (hi_t, lo_t, bias, n_hi), rope_meta = _streaming_args(rope, d, capacity, q)
     _prefill_kernel[(n_qblocks, hq)](
-        q, kv_cache, block_table_row, block_starts, n_valid, out, hi_t, lo_t, k_sc, v_sc,
-        *q.stride(), *kv_cache.stride(),
-        block_table_row.stride(0), *block_starts.stride(), *out.stride(),
-        seq_len, nq, sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale, bias, n_hi,
+        q, kv_cache, block_table, blocks.row, blocks.start, blocks.count, blocks.first_pos,
+        blocks.slice_end, block_starts, n_valid, out, hi_t, lo_t, k_sc, v_sc,
+        *q.stride(), *kv_cache.stride(), *block_table.stride(), *block_starts.stride(),
+        *out.stride(), sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale, bias, n_hi,
         GROUP=group, BLOCK_SIZE_Q=block_size_q, BLOCK_Q=block_q, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size,
         USE_SOFT_CAP=logit_soft_cap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
+from .query_blocks import QueryBlocks, pool_block_queries
 from .rope import RopeTable, rotate
 from .triton_bsa import kv_quant_args
 from .triton_rope import (
@@ -177,6 +178,7 @@ def _select_rep_kernel(
     q_right_ptr,
     k_ptr,
     block_table_ptr,
+    block_rows_ptr,
     starts_ptr,
     valid_ptr,
     key_limit_ptr,
@@ -198,6 +200,7 @@ def _select_rep_kernel(
     stride_ktok,
     stride_khead,
     stride_kd,
+    stride_btr,
     stride_sb,
     stride_sc,
     stride_vb,
@@ -267,6 +270,8 @@ def _select_rep_kernel(
         rp_t = qp_t
 
     limit = tl.load(key_limit_ptr + blk).to(tl.int32)
+    # the block's request: its row of the block table (one row for all when stride_btr is 0)
+    block_table_ptr += tl.load(block_rows_ptr + blk).to(tl.int64) * stride_btr
     start = tl.load(starts_ptr + blk * stride_sb + offs_c * stride_sc, mask=c_in, other=0)
     start = start.to(tl.int32)
     flag = tl.load(valid_ptr + blk * stride_vb + offs_c * stride_vc, mask=c_in, other=0)
@@ -365,7 +370,7 @@ def _launch_config(head_dim: int, rope: bool = False) -> tuple[int, int, int]:
 def select_rep_scores_paged(
     q_pooled: torch.Tensor,
     kv_cache: torch.Tensor,
-    block_table_row: torch.Tensor,
+    block_table: torch.Tensor,
     starts: torch.Tensor,
     valid: torch.Tensor,
     key_limit: torch.Tensor,
@@ -379,14 +384,16 @@ def select_rep_scores_paged(
     max_abs_delta: int | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    block_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SelectRep chunk scores ``[n_blocks, C]`` float32, equal to ``reference.select_rep_scores``.
 
     ``q_pooled`` is ``[n_blocks, H_q, n_q, D]``, already multiplied by the softmax scale; a row
     containing NaN is an absent query (as :func:`reference.pool_queries` produces) and takes no
     part in the max over queries. ``kv_cache`` is ``[num_pages, 2, page_size, H_kv, D]`` and
-    token ``t`` of one request lives at page ``block_table_row[t // page_size]``. Chunk ``j`` of
-    block ``b`` covers ``[starts[b, j], min(starts[b, j] + chunk_size, key_limit[b]))``; invalid
+    token ``t`` of one request lives at page ``block_table[t // page_size]``; blocks of several
+    requests (a batch of prefill chunks) read row ``block_rows[b]`` of a ``[rows, pages]``
+    ``block_table``. Chunk ``j`` of block ``b`` covers ``[starts[b, j], min(starts[b, j] + chunk_size, key_limit[b]))``; invalid
     or empty chunks score ``-inf``; the result is the max over query heads.
 
     RoPE remapping (§2), for keys cached already rotated at their true positions:
@@ -399,7 +406,7 @@ def select_rep_scores_paged(
       un-rotated to position 0. Angles come from float64-built tables
       (:mod:`kernels.triton_rope`) and are accurate to about 3e-7 at any delta up to
       ``max_abs_delta``. The default bound is ``2 * capacity + C``, where ``capacity`` is
-      ``len(block_table_row) * page_size``. That covers ``base`` in ``[-capacity, C]``, which
+      a row's pages times ``page_size``. That covers ``base`` in ``[-capacity, C]``, which
       holds both ``base = 0`` (relative) and ``base = j - q_pos`` (chunk-indexed). NeoX and
       GPT-J pairing and partial rotary are all supported.
 
@@ -419,7 +426,7 @@ def select_rep_scores_paged(
 
     Guarantees: the bisection path and the probed keys are the reference's (up to near-ties
     within rounding, see ``precision``). Only keys inside live chunks are read, so pages past
-    ``key_limit`` need not exist in ``block_table_row``. Positions must fit in int32. No host
+    ``key_limit`` need not exist in the block table. Positions must fit in int32. No host
     sync once the rotation tables are built (:func:`triton_rope.delta_tables`, cached per table
     and device); ``per_head_out`` (``[n_blocks, H_q, C]`` float32, overwritten) lets a caller
     keep the scratch preallocated.
@@ -473,7 +480,7 @@ def select_rep_scores_paged(
         if base.shape != (nb, c) or base.is_floating_point():
             raise ValueError(f"key_rotation base {tuple(base.shape)} must be [{nb}, {c}] integers")
         if max_abs_delta is None:
-            max_abs_delta = 2 * block_table_row.shape[0] * page_size + c
+            max_abs_delta = 2 * block_table.shape[-1] * page_size + c
         tables = delta_tables(rope_table, max_abs_delta, q_pooled.device)
         rope_args = (base, tables.hi, tables.lo, tables.bias, tables.n_hi)
         block_f, block_p = split_blocks(rope_table.rotary_dim, d)
@@ -492,13 +499,26 @@ def select_rep_scores_paged(
     block_d = max(16, triton.next_power_of_2(d))
     if valid.dtype == torch.bool:
         valid = valid.view(torch.uint8)  # same bytes; avoids i1 pointers
+    if block_table.stride(-1) != 1:  # the probes index a row's pages with unit stride
+        block_table = block_table.contiguous()
+    if block_rows is None:  # one request: every block reads the one row (stride 0)
+        if block_table.dim() == 2 and block_table.shape[0] != 1:
+            raise ValueError(f"block_table {tuple(block_table.shape)} has several rows: "
+                             "pass block_rows")  # fmt: skip
+        block_rows, stride_btr = key_limit, 0
+    else:
+        if block_table.dim() != 2 or block_rows.shape != (nb,):
+            raise ValueError(f"block_rows {tuple(block_rows.shape)} must be [{nb}] rows of a "
+                             f"[rows, pages] block_table, not {tuple(block_table.shape)}")  # fmt: skip
+        stride_btr = block_table.stride(0)
     base_t, hi_t, lo_t, bias, n_hi = rope_args
     grid = (nb, triton.cdiv(c, block_chunk), hq)
     _select_rep_kernel[grid](
         q_pooled,
         q_pooled if q_pooled_right is None else q_pooled_right,
         kv_cache,  # the kernel reads plane 0 (K) only
-        block_table_row,
+        block_table,
+        block_rows,
         starts,
         valid,
         key_limit,
@@ -517,6 +537,7 @@ def select_rep_scores_paged(
         kv_cache.stride(2),
         kv_cache.stride(3),
         kv_cache.stride(4),
+        stride_btr,
         *starts.stride(),
         *valid.stride(),
         *base_t.stride(),
@@ -558,58 +579,117 @@ def run_stages_paged(
     v_scale: float | torch.Tensor | None = None,
     reduce_scores: ref.ScoreReduce | None = None,
 ) -> ref.PruneResult:
-    """The pruning cascade of :func:`reference.run_stages`, scored by the Triton kernel.
+    """The pruning cascade of :func:`reference.run_stages` for one request, scored by the Triton
+    kernel (:func:`run_stages_blocks` with the request's blocks).
 
-    ``q`` is ``[Nq, H_q, D]`` (unscaled), positions ascending and the request's last ones; keys
-    are read from the paged cache through ``block_table_row``. ``seq_len`` (a host int) sizes
-    the stage-1 candidates: the request's context length, or any bound of it such as the
-    allocated maximum, which keeps shapes static for CUDA graphs (chunks past the live context
-    are masked invalid). With ``seq_len`` given, or when resuming (``start_stage > 0``), nothing
-    syncs with the host; otherwise it is read from ``q_positions`` (one sync).
+    ``q`` is ``[Nq, H_q, D]`` (unscaled) at consecutive positions ``q_positions``; keys are read
+    from the paged cache through ``block_table_row``. ``seq_len`` (a host int) sizes the
+    stage-1 candidates: the request's context length, or any bound of it such as the allocated
+    maximum, which keeps shapes static for CUDA graphs (chunks past the live context are masked
+    invalid). With ``seq_len`` given, or when resuming (``start_stage > 0``), nothing syncs with
+    the host; otherwise it is read from ``q_positions`` (one sync).
 
-    ``precision`` is :func:`select_rep_scores_paged`'s. Guarantees: with the same ``seq_len``
-    and ``"fp32"`` or ``"ieee"`` precision, the valid selections and each stage's valid
-    candidates equal the reference's (up to score near-ties within fp32 rounding); with
-    ``seq_len`` given, the call is CUDA-graph capturable. Every stage is scored, even one where
+    Guarantees: with the same ``seq_len`` and ``"fp32"`` or ``"ieee"`` precision, the valid
+    selections and each stage's valid candidates equal the reference's (up to score near-ties
+    within fp32 rounding), with the reference's shapes; with ``seq_len`` given, the call is
+    CUDA-graph capturable. Starts stored under ``valid == False`` are unspecified. With
+    ``"chunk-indexed"`` RoPE the stage-1 candidate count, and so the query position
+    ``min(p, C + sw')``, follows ``seq_len``: pass the live length to get the reference's scores
+    (§2, "Caveat").
+    """
+    nq = q.shape[0]
+    if seq_len is None and start_stage == 0:
+        seq_len = int(q_positions[-1]) + 1 if nq else 0
+    blocks = QueryBlocks.single(nq, q_positions[0] if nq else 0, seq_len or 0,
+                                params.stages[start_stage].block_size_q, q.device)  # fmt: skip
+    result = run_stages_blocks(params, q, blocks, kv_cache, block_table_row.view(1, -1), scale,
+                               start_stage, start_input, precision=precision, k_scale=k_scale,
+                               v_scale=v_scale, reduce_scores=reduce_scores)  # fmt: skip
+
+    def trim(t: torch.Tensor, block_size_q: int) -> torch.Tensor:
+        return t[: -(-nq // block_size_q)]  # the request's blocks, not the coarse padding
+
+    bq = params.block_size_q
+    inputs = [
+        ref.Candidates(trim(c.starts, st.block_size_q), trim(c.valid, st.block_size_q))
+        for c, st in zip(result.stage_inputs, params.stages[start_stage:])
+    ]
+    return ref.PruneResult(trim(result.block_starts, bq), trim(result.block_valid, bq), inputs)
+
+
+def run_stages_blocks(
+    params: ref.PruneParams,
+    q: torch.Tensor,
+    blocks: QueryBlocks,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    start_stage: int = 0,
+    start_input: ref.Candidates | None = None,
+    *,
+    precision: str = "fp32",
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    reduce_scores: ref.ScoreReduce | None = None,
+) -> ref.PruneResult:
+    """The cascade of :func:`reference.run_stages` for the query blocks of one or more requests
+    (a step's prefill chunks) in one set of launches.
+
+    ``blocks`` (:class:`query_blocks.QueryBlocks`, in blocks of the first stage's
+    ``block_size_q`` or a multiple of it) index ``q`` ``[Nq, H_q, D]`` (unscaled) and the rows
+    of ``block_table`` ``[rows, pages]``. The result's rows are ``blocks.refine`` to the last
+    stage's ``block_size_q``; a request's rows equal :func:`run_stages_paged` on it alone (the
+    valid selections: the widths follow the longest request, and a shorter one's extra entries
+    are invalid). Chunk-indexed RoPE places each block's query by its own request's candidate
+    count, as the request alone would. No host sync.
+
+    ``precision`` is :func:`select_rep_scores_paged`'s. Every stage is scored, even one where
     all live chunks survive: the survivors are then the same set, and they are re-sorted by
-    position, so score ties do not matter. Starts stored under ``valid == False`` are
-    unspecified.
+    position, so score ties do not matter.
 
     RoPE remapping (``params.rope`` with ``pruning`` ``"relative"`` or ``"chunk-indexed"``, §2)
     is done as the reference does it. The queries are un-rotated from their true positions and
-    placed by torch on the host side (small tensors). Each probe key is moved in-kernel from
-    its true position (see :func:`select_rep_scores_paged`). With ``"chunk-indexed"`` the
-    stage-1 candidate count, and so the query position ``min(p, C + sw')``, follows
-    ``seq_len``. Pass the live length to get the reference's scores (§2, "Caveat"). The
-    rotation tables are sized by the block table's capacity and built on the first call.
+    placed by torch (small tensors). Each probe key is moved in-kernel from its true position
+    (see :func:`select_rep_scores_paged`). The rotation tables are sized by the block table's
+    capacity and built on the first call.
 
     ``k_scale`` / ``v_scale``: an fp8 cache's dequantization (:func:`select_rep_scores_paged`);
     the result then equals :func:`reference.run_stages` on the dequantized keys.
     ``reduce_scores``: as in :func:`reference.run_stages`.
     """
-    nq = q.shape[0]
     device = q.device
-    if seq_len is None and start_stage == 0:
-        seq_len = int(q_positions[-1]) + 1 if nq else 0
-    first_bq = params.stages[start_stage].block_size_q
-    block_min_pos, key_limit = ref.block_bounds(q_positions, first_bq)
-
-    if start_stage == 0:
-        cand = ref.first_stage_candidates(params, seq_len, block_min_pos)
-    else:
-        if start_input is None:
-            raise ValueError(f"start_stage={start_stage} needs start_input, that stage's input")
-        cand = start_input
+    stage_blocks = blocks.refine(params.stages[start_stage].block_size_q)
+    key_limit = stage_blocks.key_limit()
+    block_min_pos = stage_blocks.first_pos
 
     rope = params.rope
     style = "none" if rope is None else rope.pruning
     if style not in ("none", "relative", "chunk-indexed"):
         raise ValueError(f"unknown RoPE pruning style {style!r}")
+    sw = params.scan_window
+    if start_stage == 0:
+        cand = ref.first_stage_candidates(params, blocks.max_seq_len, block_min_pos)
+        cand = ref.Candidates(cand.starts, cand.valid & (key_limit > 0).view(-1, 1))
+    elif start_input is None:
+        raise ValueError(f"start_stage={start_stage} needs start_input, that stage's input")
+    else:
+        cand = start_input
+    # chunk-indexed RoPE: each block's own candidate count (its request's, not the batch's)
+    widths = None
+    if style == "chunk-indexed":
+        if start_stage == 0:
+            l1 = params.stages[0].chunk_size
+            widths = (stage_blocks.seq_len - params.sink_tokens).clamp(min=0).add(l1 - 1) // l1
+        else:
+            widths = torch.full_like(block_min_pos, cand.starts.shape[1])
+
+    # the blocks' queries, padded, as consecutive rows: any finer blocks are a reshape
+    rows, present, positions = stage_blocks.padded_queries(q)
+    hq, d = q.shape[1], q.shape[2]
     if style != "none":
         table = rope_table_on(rope.table, device)
         # Score un-rotated queries, placed below where the style says (as the reference).
-        q = rotate(q.float(), -q_positions.long(), table)
-    sw = params.scan_window
+        rows = rotate(rows.view(-1, hq, d), -positions.view(-1), table)
 
     stage_inputs: list[ref.Candidates] = []
     # (block size, stride) -> pooled queries: stages often share them
@@ -623,7 +703,8 @@ def run_stages_paged(
         keep = min(st.keep_tokens // st.chunk_size, c)
         pooling = (st.block_size_q, st.query_stride)
         if pooling not in pooled:
-            qp = ref.pool_queries(q, *pooling) * scale
+            qp = pool_block_queries(rows.view(-1, st.block_size_q, hq, d),
+                                    present.view(-1, st.block_size_q), st.query_stride) * scale
             if style == "relative":
                 pooled[pooling] = ref.relative_queries(qp, table, sw)
             else:
@@ -634,11 +715,11 @@ def run_stages_paged(
             rotation = (torch.zeros((), dtype=torch.int32, device=device).expand(n_blocks, c),
                         table)  # fmt: skip
         elif style == "chunk-indexed":  # from their true t, to the gap the style gives
-            rotation = (ref.chunk_indexed_key_turn(c, block_min_pos, sw), table)
+            rotation = (ref.chunk_indexed_key_turn(c, block_min_pos, sw, widths), table)
         scores = select_rep_scores_paged(
             q_left,
             kv_cache,
-            block_table_row,
+            block_table,
             cand.starts,
             cand.valid,
             key_limit,
@@ -649,6 +730,7 @@ def run_stages_paged(
             key_rotation=rotation,
             k_scale=k_scale,
             v_scale=v_scale,
+            block_rows=stage_blocks.row,
         )
         if reduce_scores is not None:
             scores = reduce_scores(scores)
@@ -657,7 +739,15 @@ def run_stages_paged(
             return ref.PruneResult(kept_starts, kept_valid, stage_inputs)
         nxt = params.stages[i + 1]
         cand = ref.split_chunks(kept_starts, kept_valid, st.chunk_size, nxt.chunk_size, key_limit)
+        if widths is not None:
+            widths = widths.clamp(max=st.keep_tokens // st.chunk_size)
+            widths = widths * (st.chunk_size // nxt.chunk_size)
         if nxt.block_size_q != st.block_size_q:
-            block_min_pos, key_limit = ref.block_bounds(q_positions, nxt.block_size_q)
-            cand = ref.refine_blocks(cand, st.block_size_q // nxt.block_size_q, key_limit)
+            factor = st.block_size_q // nxt.block_size_q
+            stage_blocks = blocks.refine(nxt.block_size_q)
+            key_limit = stage_blocks.key_limit()
+            block_min_pos = stage_blocks.first_pos
+            cand = ref.refine_blocks(cand, factor, key_limit)
+            if widths is not None:
+                widths = widths.repeat_interleave(factor)
     raise ValueError(f"start_stage={start_stage} leaves no stage to run (have {n_stages})")

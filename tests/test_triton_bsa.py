@@ -429,6 +429,108 @@ def test_triton_ops_match_the_reference_through_backend_calls(pruning, nq, after
 
 
 # --------------------------------------------------------------------------- GPU, real shapes
+# --------------------------------------------------------------------------- batched prefill
+@pytest.mark.parametrize(
+    ("pruning", "first_block"),
+    [(None, 32), ("chunk-indexed", 32)],
+    ids=["coarse-first-stage", "chunk-indexed-coarse-first-stage"],
+)
+def test_prefill_chunks_batched_equal_each_chunk_alone(pruning, first_block):
+    """A step's sparse prefill chunks as the builder plans them, several requests and parts of
+    different lengths in one cascade and one attention launch per kind of part
+    (``TritonOps.prune_blocks`` / ``attend_blocks``), equal the reference run chunk by chunk
+    (``ReferenceOps``, itself checked against the request-at-a-time calls): the same selected
+    blocks for every query block, the same outputs, and rows of other requests left alone. The
+    requests' lengths differ, so the batch's candidate lists are wider than a short request's
+    (its own candidate count places chunk-indexed queries)."""
+    from vllm_infinitehip.kernels.query_blocks import QueryBlocks, RequestPart
+
+    hq, hkv, d, scale = 8, 2, 64, 0.125
+    seq_lens = [900, 610, 1300]
+    gen = torch.Generator().manual_seed(7)
+    kv, table = paged_cache(seq_lens, 16, hkv, d, torch.float32, gen)
+    if pruning:  # vLLM caches keys rotated at their true positions
+        for b, n in enumerate(seq_lens):
+            k, v = ref.gather_paged_kv(kv, table[b], n)
+            t = torch.arange(n, device=DEVICE)
+            ref.write_paged_kv(kv, rotate(k, t, NEOX64), v, table[b][t // 16].long() * 16 + t % 16)
+    stages = (ref.StageParams(32, 256, first_block, 4), ref.StageParams(8, 96, 16, 4),
+              ref.StageParams(4, 48, 16, 1))  # fmt: skip
+    plan = ref.RopePlan(NEOX64, pruning, "streaming") if pruning else None
+    params = ref.PruneParams(16, 64, stages, "midpoint", plan)
+    # the step's queries: request 1's chunk is cut into a body and a one-query part, request 0
+    # sits between two of request 2's parts, and 5 tokens at the front belong to nobody
+    chunks = [(2, 5, 80), (0, 80, 180), (2, 180, 181), (1, 181, 301)]
+    n_tokens = 301
+    q = torch.randn(n_tokens, hq, d, generator=gen).to(DEVICE)
+    parts = []
+    for row, lo, hi in chunks:
+        end = {2: 1300 if hi == 181 else 1299, 0: 900, 1: 610}[row]
+        parts.append(RequestPart(row, lo, hi, end - (hi - lo), seq_lens[row]))
+    blocks = QueryBlocks.plan(parts, first_block, DEVICE)
+    assert blocks.part_blocks == (0, 3, 7, 8, 12)  # each part padded to blocks of 32
+    fine = blocks.refine(16)
+    assert fine.count.sum().item() == n_tokens - 5
+
+    reference, triton_ops = ops.ReferenceOps(), ops.TritonOps()
+    want_prune = reference.prune_blocks(params, blocks, q, kv, table, scale)
+    got_prune = triton_ops.prune_blocks(params, blocks, q, kv, table, scale)
+    assert got_prune.block_starts.shape[0] == fine.num_blocks
+    # the reference's stacking is each request alone
+    for lo, p in zip(fine.part_blocks, parts):
+        req = ops.RequestKV(kv, table[p.row], p.seq_len)
+        pos = torch.arange(p.first_pos, p.slice_end, device=DEVICE)
+        alone = reference.prune(params, req, q[p.q_lo : p.q_hi], pos, scale)
+        n = alone.block_starts.shape[0]
+        w = alone.block_valid.shape[1]
+        assert torch.equal(want_prune.block_valid[lo : lo + n, :w], alone.block_valid)
+        assert not want_prune.block_valid[lo : lo + n, w:].any()
+    width = max(got_prune.block_valid.shape[1], want_prune.block_valid.shape[1])
+
+    def widen(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t.cpu(), (0, width - t.shape[1]))
+
+    gv, wv = widen(got_prune.block_valid), widen(want_prune.block_valid)
+    assert torch.equal(gv, wv)
+    assert torch.equal(widen(got_prune.block_starts)[gv], widen(want_prune.block_starts)[wv])
+    assert gv.sum() > 0 and not gv[fine.count.cpu() == 0].any()  # padding blocks select nothing
+
+    want = torch.full_like(q, 7.0)
+    got = torch.full_like(q, 7.0)
+    want_pairs = reference.attend_blocks(params, blocks, q, kv, table, scale, want_prune, want)
+    got_pairs = triton_ops.attend_blocks(params, blocks, q, kv, table, scale, got_prune, got)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got[:5], torch.full_like(q[:5], 7.0))  # nobody's rows untouched
+    assert 0 < int(want_pairs) <= int(got_pairs)  # the kernels count the budget, a bound
+
+
+def test_dense_chunks_batched_equal_each_chunk_alone():
+    """The dense chunks of a step (not one range of the step's queries) through
+    ``dense_rows``: each equals the chunk alone. On a GPU with bf16 this is one varlen
+    FlashAttention call; elsewhere the same plan runs chunk by chunk."""
+    from vllm_infinitehip.kernels.query_blocks import DenseRows, RequestPart
+
+    hq, hkv, d = 8, 2, 64
+    seq_lens = [300, 90, 257]
+    gen = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16 if _GPU else torch.float32
+    kv, table = paged_cache(seq_lens, 16, hkv, d, dtype, gen)
+    q = torch.randn(200, hq, d, generator=gen).to(DEVICE, dtype)
+    parts = [RequestPart(0, 10, 110, 200, 300), RequestPart(2, 120, 200, 177, 257),
+             RequestPart(1, 110, 120, 80, 90)]  # fmt: skip
+    rows = DenseRows.plan(parts, DEVICE)
+    assert rows.token_index is not None and rows.max_q == 100 and rows.max_k == 300
+    got = torch.full_like(q, 3.0)
+    ops.TritonOps().dense_rows(rows, q, got, kv, table, d**-0.5)
+    for p in parts:
+        req = ops.RequestKV(kv, table[p.row], p.seq_len)
+        pos = torch.arange(p.first_pos, p.slice_end, device=DEVICE)
+        alone = ops.ReferenceOps().dense(req, q[p.q_lo : p.q_hi], pos, d**-0.5)
+        tol = 2e-2 if _GPU else 1e-5
+        torch.testing.assert_close(got[p.q_lo : p.q_hi].float(), alone.float(), rtol=tol, atol=tol)
+    assert torch.equal(got[:10], torch.full_like(q[:10], 3.0))
+
+
 def bank_of(kv: torch.Tensor, n_resident: int, gen: torch.Generator):
     """A host-tier bank holding ``n_resident`` random pages of ``kv`` in shuffled slots (plus a
     spare), its residency table, and a copy of ``kv`` whose resident pages are NaN: a read

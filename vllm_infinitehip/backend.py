@@ -10,7 +10,9 @@ Four classes in data-flow order, shaped like FlashInfer's plan/run:
 - the backend (what vLLM asks before it runs);
 - the impl, which runs each layer: write KV, then one batched pruning cascade and one split-K
   block-sparse launch for all decode rows (no host work, so vLLM captures it in CUDA graphs),
-  then the prefill chunks.
+  then the prefill chunks as the builder planned them: the dense ones in one varlen
+  FlashAttention call, the sparse ones in one cascade and one attention launch per kind of
+  part (chunk bodies; chunk tails and final queries), whatever the number of requests.
 
 The compute lives in ``vllm_infinitehip.kernels``; this file decides what to run.
 
@@ -51,6 +53,7 @@ from vllm_infinitehip.config import (
 from vllm_infinitehip.kernels import decode as dec
 from vllm_infinitehip.kernels import reference as ref
 from vllm_infinitehip.kernels.ops import AttentionOps, DecodeScratch, RequestKV, ops_for
+from vllm_infinitehip.kernels.query_blocks import DenseRows, QueryBlocks, RequestPart
 from vllm_infinitehip.state import DecodeSlots
 
 # Under the "vllm" namespace so that vLLM's logging configuration (handlers, level) applies.
@@ -224,6 +227,33 @@ class StepPlan:
     layer_order: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class SparseCall:
+    """Parts of prefill chunks pruned with the same parameters: ``"body"`` (the layer's) or
+    ``"tail"`` (with the tail window, where the config sets one)."""
+
+    kind: str
+    blocks: QueryBlocks  # in blocks of the first stage's b_q
+
+
+@dataclass(frozen=True)
+class SparseBatch:
+    calls: tuple[SparseCall, ...]
+    # the host tier stages one request's pages at a time on the GPU: its row and length
+    staged: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """A step's prefill chunks, planned once for every layer: the dense ones, the sparse ones
+    (one batch, or one per request when the host tier stages them), and the (query, context
+    key) pairs of the sparse queries (host int; the kernels count what they attended)."""
+
+    dense: DenseRows | None
+    sparse: tuple[SparseBatch, ...]
+    context_pairs: int
+
+
 @dataclass
 class InfiniteHiPMetadata:
     num_actual_tokens: int
@@ -234,9 +264,8 @@ class InfiniteHiPMetadata:
     decode: dec.DecodeRows | None
     # whether any decode row may run sparse; a graph capture always runs the cascade
     run_cascade: bool
-    # host copies for the prefill rows (the whole batch; decode rows are not read)
-    query_start_loc_host: list[int]
-    seq_lens_host: list[int]
+    # the prefill rows' work (None: a pure decode step)
+    prefill: PrefillPlan | None
     plan: StepPlan
 
 
@@ -260,6 +289,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         self.block_size = kv_cache_spec.block_size
         self.threshold = self.config.effective_dense_threshold
         trained, extension = trained_and_extension(self.config, vllm_config.model_config)
+        self._trained = trained
         max_rows = vllm_config.scheduler_config.max_num_seqs
         max_len = vllm_config.model_config.max_model_len
         params = {name: layer_prune_params(self.config, _layer_index(name)) for name in layer_names}
@@ -391,11 +421,9 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             n_sparse = int(sparse_host.sum())
             counters.sparse_decode_queries += n_sparse
             counters.dense_queries += int((dec_lens > 0).sum()) - n_sparse
-            for i in range(num_decodes, n):
-                if seq_lens_host[i] <= self.plan.prefill_threshold:
-                    counters.dense_queries += int(query_lens[i])
-                else:
-                    counters.sparse_prefill_queries += int(query_lens[i])
+        prefill = None
+        if num_decodes < n:
+            prefill = self._plan_prefill(qsl.tolist(), seq_lens_host.tolist(), num_decodes)
 
         decode = None
         slots = self.plan.slots
@@ -421,10 +449,57 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             num_decodes=num_decodes,
             decode=decode,
             run_cascade=capture or bool(sparse_host.any()),
-            query_start_loc_host=qsl.tolist(),
-            seq_lens_host=seq_lens_host.tolist(),
+            prefill=prefill,
             plan=self.plan,
         )
+
+    def _plan_prefill(self, qsl: list[int], seq_lens: list[int], first: int) -> PrefillPlan:
+        """Rows ``first..`` are prefill chunks (queries ``qsl[i]:qsl[i + 1]``, the last of a
+        ``seq_lens[i]``-token context): dense at or below the dense threshold, else cut into
+        parts as INFINITEHIP.md §1 prunes them, each part of every chunk in one batch."""
+        counters, config = self.plan.counters, self.config
+        bq_first, bq = config.stages[0].block_size_q, config.stages[-1].block_size_q
+        tail = bq if config.tail_window(self._trained) is not None else 0
+        dense: list[RequestPart] = []
+        # (row, length, staged, its parts by kind)
+        sparse: list[tuple[int, int, bool, list[tuple[str, RequestPart]]]] = []
+        context = 0
+        for i in range(first, len(seq_lens)):
+            lo, hi, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
+            n = hi - lo
+            if n == 0:
+                continue
+            if seq_len <= self.plan.prefill_threshold:
+                counters.dense_queries += n
+                dense.append(RequestPart(i, lo, hi, seq_len - n, seq_len))
+                continue
+            counters.sparse_prefill_queries += n
+            context += n * seq_len - n * (n - 1) // 2  # sum of (p + 1) over the positions
+            last = n - 1 if config.prefill_final_query_own_mask else n
+            body_end = max(0, min(n - tail, last))
+            # the host tier stages a chunk's pages when its query blocks re-read the context
+            # (from a GPU copy, not over the bus): its parts then read the staged table's row 0
+            staged = self.plan.staging is not None and n > bq
+            row = 0 if staged else i
+            sparse.append((i, seq_len, staged, [
+                (kind, RequestPart(row, lo + a, lo + b, seq_len - n + a, seq_len))
+                for kind, a, b in (("body", 0, body_end), ("tail", body_end, last),
+                                   ("tail", last, n))
+                if b > a
+            ]))  # fmt: skip
+        if self.plan.staging is not None:  # staging holds one request: a batch each
+            groups = [(parts, (i, seq_len) if staged else None)
+                      for i, seq_len, staged, parts in sparse]  # fmt: skip
+        else:
+            groups = [([p for *_, parts in sparse for p in parts], None)] if sparse else []
+        batches = []
+        for parts, staged in groups:
+            by_kind = {kind: [p for k, p in parts if k == kind] for kind in ("body", "tail")}
+            calls = tuple(SparseCall(kind, QueryBlocks.plan(ps, bq_first, self.device))
+                          for kind, ps in by_kind.items() if ps)  # fmt: skip
+            batches.append(SparseBatch(calls, staged))
+        return PrefillPlan(DenseRows.plan(dense, self.device) if dense else None,
+                           tuple(batches), context)  # fmt: skip
 
 
 class InfiniteHiPBackend(AttentionBackend):
@@ -717,8 +792,8 @@ class InfiniteHiPImpl(AttentionImpl):
         nd = m.num_decodes
         if nd:
             self._decode(ops, q_all[:nd], out[:nd], kv_cache, m)
-        for i in range(nd, len(m.seq_lens_host)):
-            self._prefill_row(ops, i, q_all, out, kv_cache, m)
+        if m.prefill is not None:
+            self._prefill(ops, m.prefill, q_all, out, kv_cache, m.block_table)
         return output
 
     def _decode(
@@ -739,59 +814,51 @@ class InfiniteHiPImpl(AttentionImpl):
         if self.recall_log is not None:
             self._log_decode_recall(masks, q, kv_cache, rows)
 
-    def _prefill_row(
-        self, ops: AttentionOps, i: int, q_all: torch.Tensor, out: torch.Tensor,
-        kv_cache: torch.Tensor, m: InfiniteHiPMetadata,
-    ) -> None:
-        lo, hi = m.query_start_loc_host[i], m.query_start_loc_host[i + 1]
-        if hi == lo:
-            return
-        seq_len = m.seq_lens_host[i]
-        q = q_all[lo:hi]
-        table_row = m.block_table[i]
-        staging = m.plan.staging
-        if staging is not None and hi - lo > self._params.block_size_q:
-            # query blocks re-read the context: read it from a GPU copy, not over the bus
-            kv_cache, table_row = staging.stage(kv_cache, table_row, seq_len, self._copy_pages)
-        req = RequestKV(kv_cache, table_row, seq_len, **self._kv_scales)
-        positions = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
-        if seq_len <= m.plan.prefill_threshold:
-            out[lo:hi] = ops.dense(req, q, positions, self.scale)
-            return
-        o, attended = self._sparse_prefill(ops, req, q, positions)
-        out[lo:hi] = o
-        n = hi - lo
-        # sum of (p + 1) over the chunk's positions, from host ints
-        context = n * seq_len - n * (n - 1) // 2
-        self.pairs[0] += attended
-        self.pairs[1] += context
-
-    def _sparse_prefill(
-        self, ops: AttentionOps, req: RequestKV, q: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, int | torch.Tensor]:
-        """Sparse attention for a prefill chunk: its last query block uses the tail window, and
-        its final query (the next token's) may be pruned alone (``prefill_final_query_own_mask``)."""
-        params = self._params
-        n = q.shape[0]
-        tail_params = self._tail_params or params
-        tail = params.block_size_q if self._tail_params is not None else 0
-        last = n - 1 if self.config.prefill_final_query_own_mask else n
-        body_end = max(0, min(n - tail, last))
-        bounds = [(params, 0, body_end), (tail_params, body_end, last), (tail_params, last, n)]
-        parts = [(p, lo, hi) for p, lo, hi in bounds if hi > lo]
-        first_pos = req.seq_len - n
-        outs, attended = [], 0
-        for p, lo, hi in parts:
-            prune = ops.prune(p, req, q[lo:hi], positions[lo:hi], self.scale)
-            o, pairs = ops.attend(p, req, q[lo:hi], positions[lo:hi], self.scale, prune,
-                                  first_pos + hi)  # fmt: skip
-            outs.append(o)
-            attended = attended + pairs
-        if self.recall_log is not None:
-            self._log_recall("final-prompt", p, req, q[-1:], positions[-1:], prune)
-        return torch.cat(outs) if len(outs) > 1 else outs[0], attended
+    def _prefill(
+        self, ops: AttentionOps, plan: PrefillPlan, q: torch.Tensor, out: torch.Tensor,
+        kv_cache: torch.Tensor, block_table: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """The step's prefill chunks as planned: one dense call, then per sparse batch one
+        cascade and one attention launch per kind of part. Each chunk's last query block uses
+        the tail window, and its final query (the next token's) may be pruned alone
+        (``prefill_final_query_own_mask``)."""
+        scales = self._kv_scales
+        if plan.dense is not None:
+            ops.dense_rows(plan.dense, q, out, kv_cache, block_table, self.scale, **scales)
+        for batch in plan.sparse:
+            cache, table = kv_cache, block_table
+            if batch.staged is not None:
+                row, seq_len = batch.staged
+                cache, table_row = self.plan.staging.stage(kv_cache, block_table[row], seq_len,
+                                                           self._copy_pages)  # fmt: skip
+                table = table_row.view(1, -1)
+            for call in batch.calls:
+                params = self._params if call.kind == "body" else (
+                    self._tail_params or self._params)  # fmt: skip
+                prune = ops.prune_blocks(params, call.blocks, q, cache, table, self.scale,
+                                         **scales)  # fmt: skip
+                self.pairs[0] += ops.attend_blocks(params, call.blocks, q, cache, table,
+                                                   self.scale, prune, out, **scales)  # fmt: skip
+                if self.recall_log is not None:
+                    self._log_prefill_recall(params, call.blocks, prune, q, cache, table)
+        self.pairs[1] += plan.context_pairs
 
     # ---------------------------------------------------------------- recall observer
+    def _log_prefill_recall(
+        self, params: ref.PruneParams, blocks: QueryBlocks, prune: ref.PruneResult,
+        q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Recall of each chunk's final query (the part that holds it), with its block's mask."""
+        fine = blocks.refine(params.block_size_q)
+        for lo, p in zip(fine.part_blocks, blocks.parts):
+            if p.slice_end != p.seq_len:
+                continue
+            b = lo + (p.q_hi - p.q_lo - 1) // params.block_size_q
+            req = RequestKV(kv_cache, block_table[p.row], p.seq_len, **self._kv_scales)
+            positions = torch.tensor([p.seq_len - 1], device=q.device)
+            final = ref.PruneResult(prune.block_starts[b : b + 1], prune.block_valid[b : b + 1], [])
+            self._log_recall("final-prompt", params, req, q[p.q_hi - 1 : p.q_hi], positions, final)
+
     def _log_decode_recall(
         self, masks: dec.DecodeMasks, q: torch.Tensor, kv_cache: torch.Tensor,
         rows: dec.DecodeRows,

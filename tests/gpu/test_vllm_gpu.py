@@ -105,6 +105,22 @@ def test_mixed_refresh_levels_in_one_batch_equal_each_request_alone(tmp_path):
     assert together["tokens"] == alone
 
 
+def test_prefill_chunks_of_several_requests_in_one_step_equal_each_alone(tmp_path):
+    """Three prompts prefilled in one step (one of them short enough to run dense, between the
+    sparse ones): one dense call and one cascade and attention launch per kind of part for all
+    of them, with CUDA graphs on. Each must produce the tokens it produces alone (one engine:
+    the batch, then each prompt). CPU twin: tests/test_vllm_cpu.py (a batch of four)."""
+    hip = {**SMALL, "prefill_dense_threshold": 1200}
+    prompts = [PROMPTS[0], "class A:\n    pass\n" * 60, PROMPTS[1]]
+    engine = {**GRAPHS, "max_num_batched_tokens": 8192, "additional_config": {"infinitehip": hip}}
+    out = generate(tmp_path, "infinitehip", engine, max_tokens=12, prompts=prompts,
+                   batch_then_alone=True)  # fmt: skip
+    stats = out["report"]["stats"]
+    assert stats["sparse_prefill_queries"] > 0 and stats["dense_queries"] > 0
+    tokens = out["tokens"]
+    assert tokens[:3] == tokens[3:]
+
+
 def test_dense_prefill_through_flash_attention_equals_the_dense_backend(tmp_path):
     """Below ``prefill_dense_threshold`` prefill runs vLLM's FlashAttention over this plugin's
     cache layout (checked at startup); with decode dense too, greedy text equals FLASH_ATTN's."""

@@ -67,7 +67,7 @@ def decode_forwards_raise_on_sync() -> list[int]:
 
     def strict_forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kw):
         m = attn_metadata
-        if m is None or m.num_decodes != len(m.seq_lens_host) or self._params is None:
+        if m is None or m.prefill is not None or self._params is None:
             return forward(self, layer, query, key, value, kv_cache, m, *args, **kw)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
