@@ -133,9 +133,7 @@ class ReferenceOps:
     def dense_rows(self, rows, q, out, kv_cache, block_table, scale, *, k_scale=None,
                    v_scale=None):  # fmt: skip
         for p in rows.parts:
-            req = RequestKV(kv_cache, block_table[p.row], p.seq_len, k_scale=k_scale,
-                            v_scale=v_scale)  # fmt: skip
-            positions = torch.arange(p.first_pos, p.slice_end, device=q.device)
+            req, positions = _part_request(p, kv_cache, block_table, k_scale, v_scale)
             out[p.q_lo : p.q_hi] = self.dense(req, q[p.q_lo : p.q_hi], positions, scale)
 
     def prune_blocks(self, params, blocks, q, kv_cache, block_table, scale, *, k_scale=None,
@@ -145,9 +143,7 @@ class ReferenceOps:
         fine = blocks.refine(params.block_size_q)
         results = []
         for p in blocks.parts:
-            req = RequestKV(kv_cache, block_table[p.row], p.seq_len, k_scale=k_scale,
-                            v_scale=v_scale)  # fmt: skip
-            positions = torch.arange(p.first_pos, p.slice_end, device=q.device)
+            req, positions = _part_request(p, kv_cache, block_table, k_scale, v_scale)
             results.append(self.prune(params, req, q[p.q_lo : p.q_hi], positions, scale))
         width = max((r.block_starts.shape[1] for r in results), default=0)
         starts = torch.zeros(fine.num_blocks, width, dtype=torch.long, device=q.device)
@@ -163,9 +159,7 @@ class ReferenceOps:
         fine = blocks.refine(params.block_size_q)
         attended = 0
         for lo, p in zip(fine.part_blocks, blocks.parts):
-            req = RequestKV(kv_cache, block_table[p.row], p.seq_len, k_scale=k_scale,
-                            v_scale=v_scale)  # fmt: skip
-            positions = torch.arange(p.first_pos, p.slice_end, device=q.device)
+            req, positions = _part_request(p, kv_cache, block_table, k_scale, v_scale)
             hi = lo + -(-(p.q_hi - p.q_lo) // params.block_size_q)
             part = ref.PruneResult(prune.block_starts[lo:hi], prune.block_valid[lo:hi], [])
             o, pairs = self.attend(params, req, q[p.q_lo : p.q_hi], positions, scale, part,
@@ -312,6 +306,15 @@ class TritonOps:
             rope=params.rope.table if streaming else None, row_slots=rows.slots, stats=pairs,
             workspace=scratch.workspace, bank=scratch.bank, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
+
+
+def _part_request(p, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                  k_scale: float | torch.Tensor | None,
+                  v_scale: float | torch.Tensor | None) -> tuple[RequestKV, torch.Tensor]:  # fmt: skip
+    """A planned part (:class:`query_blocks.RequestPart`) as the single-request calls take it:
+    its request's KV view and its queries' positions."""
+    req = RequestKV(kv_cache, block_table[p.row], p.seq_len, k_scale=k_scale, v_scale=v_scale)
+    return req, torch.arange(p.first_pos, p.slice_end, device=kv_cache.device)
 
 
 def _budget_pairs(

@@ -1115,8 +1115,6 @@ def sparse_prefill_attention(
     ``k_scale`` / ``v_scale``: an fp8 cache's dequantization, as in
     :func:`sparse_decode_attention`.
     """
-    if q.dim() != 3:
-        raise ValueError(f"q must be [Nq, Hq, D], got {tuple(q.shape)}")
     nq = q.shape[0]
     if nq > seq_len:
         raise ValueError(f"{nq} queries cannot be the last positions of a {seq_len}-token sequence")
