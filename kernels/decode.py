@@ -108,18 +108,21 @@ def refresh_masks_reference(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     reduce_scores: ref.ScoreReduce | None = None,
+    key_rows: ref.KeyRows | None = None,
 ) -> None:
     """What ``triton_decode.refresh_masks`` computes, with :func:`reference.run_stages` per row
-    (keys read through ``bank`` and an fp8 cache dequantized with ``k_scale``, as
-    :func:`reference.gather_paged_kv` does)."""
+    (keys read through ``bank``, or through ``key_rows`` which takes its place, and an fp8
+    cache dequantized with ``k_scale``, as :func:`reference.gather_paged_kv` does). The
+    reference reads every key, so it lists no misses for ``key_rows``."""
     n = len(params.stages)
     for b, (slot, level, seq_len) in enumerate(
         zip(rows.slots.tolist(), rows.levels.tolist(), rows.seq_lens.tolist())
     ):
         if slot < 0 or level < 0 or level >= n:
             continue
-        k, _ = ref.gather_paged_kv(kv_cache, rows.block_table[b], seq_len, bank,
-                                   k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+        k, _ = ref.gather_paged_kv(kv_cache, rows.block_table[b], seq_len,
+                                   None if key_rows is not None else bank, k_scale=k_scale,
+                                   v_scale=v_scale, key_rows=key_rows)  # fmt: skip
         pos = torch.tensor([seq_len - 1], device=q.device)
         start_input = None
         if level > 0:

@@ -53,6 +53,9 @@ class DecodeScratch:
     placement: object | None = None  # triton_decode.QueryPlacement of the layer
     # the layer's host-tier bank (pages, residency table): decode reads resident pages there
     bank: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the layer's key-row bank (reference.KeyRows, GPU): the pruning stages' probes read and
+    # promote there
+    key_rows: ref.KeyRows | None = None
     # the step's cascade gate (graph_if.GraphIf, GPU): a captured decode graph skips the
     # layer's cascade, region ``gate_region``, when no row refreshes
     gate: object | None = None
@@ -172,7 +175,8 @@ class ReferenceOps:
                        v_scale=None):  # fmt: skip
         dec.refresh_masks_reference(params, masks, q, kv_cache, rows, scale, scratch.bank,
                                     k_scale=k_scale, v_scale=v_scale,
-                                    reduce_scores=self.reduce_scores)  # fmt: skip
+                                    reduce_scores=self.reduce_scores,
+                                    key_rows=scratch.key_rows)  # fmt: skip
 
     def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch, *,
                       k_scale=None, v_scale=None):  # fmt: skip
@@ -292,7 +296,8 @@ class TritonOps:
                                     arrivals=scratch.arrivals,
                                     gate=gate.region(scratch.gate_region) if gate else None,
                                     fuse_top=gate is None and not scratch.refresh_only,
-                                    query_buffers=scratch.queries)  # fmt: skip
+                                    query_buffers=scratch.queries,
+                                    key_rows=scratch.key_rows)  # fmt: skip
 
     def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch, *,
                       k_scale=None, v_scale=None):  # fmt: skip

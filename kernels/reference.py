@@ -144,12 +144,38 @@ def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+@dataclass(frozen=True)
+class KeyRows:
+    """One layer's key-row bank of the host tier (``block_manager.key_rows``): GPU copies of
+    single K rows (one token of one KV head), which is what the pruning stages probe.
+
+    - ``rows [slots + 1, D]``: the copies, in the cache's dtype (the last slot is spare);
+    - ``table [R + 1]`` int32: the slot of cache row ``r = (page * block_size + offset) * H_kv +
+      kv_head``, ``-1`` when absent, ``-2`` while a refresh has listed it as missed (read from
+      the cache as absent); the last entry is spare;
+    - ``owner [slots]`` int32: the row each slot holds (``-1``: empty; may be stale, the table
+      decides);
+    - ``missed [cap]`` int32: rows the last refresh read from the cache, to promote, and
+      ``missed_rows [cap, D]`` their copies (read once from the host, by the refresh);
+    - ``state`` int64 ``[5]``: missed rows listed (may exceed ``cap``), the ring position of the
+      next fill, hits and misses counted by the pruning kernels, and rows copied in.
+    """
+
+    rows: torch.Tensor
+    table: torch.Tensor
+    owner: torch.Tensor
+    missed: torch.Tensor
+    missed_rows: torch.Tensor
+    state: torch.Tensor
+
+
 def gather_paged_kv(
     kv_cache: torch.Tensor,
     block_table_row: torch.Tensor,
     seq_len: int,
     bank: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
+    key_rows: KeyRows | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
@@ -158,7 +184,8 @@ def gather_paged_kv(
 
     ``kv_cache`` is this plugin's layout ``[num_blocks, 2, block_size, H_kv, D]``. With
     ``bank = (pages, table)`` (the host tier's GPU cache, as the kernels take it) a page whose
-    ``table`` entry holds a slot is read from ``pages`` instead.
+    ``table`` entry holds a slot is read from ``pages`` instead; with ``key_rows``
+    (:class:`KeyRows`, what the pruning stages read) a K row that it holds is read there.
 
     An fp8 cache (uint8 storage or float8_e4m3fn; the bank's pages in the same dtype) is
     dequantized after the bank/cache choice: ``float32(stored) * k_scale`` (``v_scale`` for V),
@@ -182,6 +209,14 @@ def gather_paged_kv(
         kv = torch.where(resident, _bytes(pages).index_select(0, slot.clamp(min=0)), kv)
     k = kv[:, 0].reshape(n_blocks * block_size, *kv.shape[-2:])[:seq_len]
     v = kv[:, 1].reshape(n_blocks * block_size, *kv.shape[-2:])[:seq_len]
+    if key_rows is not None:
+        h = kv.shape[-2]
+        tok = torch.arange(seq_len, device=k.device)
+        first = (blocks[tok // block_size] * block_size + tok % block_size) * h
+        r = first.view(-1, 1) + torch.arange(h, device=k.device)
+        slot = key_rows.table[r].long()
+        k = torch.where((slot >= 0).unsqueeze(-1),
+                        _bytes(key_rows.rows)[slot.clamp(min=0)], k)  # fmt: skip
     if fp8:
         out_dtype = out_dtype or torch.float32
         return dequantize_fp8(k, k_scale, out_dtype), dequantize_fp8(v, v_scale, out_dtype)

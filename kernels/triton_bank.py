@@ -18,15 +18,19 @@ _BLOCK = 4096  # elements of a page one program copies
 
 @triton.jit
 def _copy_pages_kernel(src_ptr, dst_ptr, pages_ptr, slots_ptr, page_elems, BLOCK: tl.constexpr):
+    # one program per entry, looping over its page: most entries are padding, and a decode
+    # step's plan has hundreds per layer (H200, 128K: a program per piece cost 24 us per layer
+    # and step with nothing to copy)
     entry = tl.program_id(0)
     slot = tl.load(slots_ptr + entry)
     if slot < 0:
         return
-    page = tl.load(pages_ptr + entry)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < page_elems
-    x = tl.load(src_ptr + page.to(tl.int64) * page_elems + offs, mask=ok)
-    tl.store(dst_ptr + slot.to(tl.int64) * page_elems + offs, x, mask=ok)
+    src = src_ptr + tl.load(pages_ptr + entry).to(tl.int64) * page_elems
+    dst = dst_ptr + slot.to(tl.int64) * page_elems
+    for start in range(0, page_elems, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < page_elems
+        tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
 
 
 def _check(kv_cache: torch.Tensor, bank_pages: torch.Tensor) -> int:
@@ -47,8 +51,7 @@ def copy_pages(
     n = fill_slots.shape[0]
     if n == 0:
         return
-    grid = (n, triton.cdiv(page_elems, _BLOCK))
-    _copy_pages_kernel[grid](
+    _copy_pages_kernel[(n,)](
         kv_cache, bank_pages, fill_pages.contiguous(), fill_slots.contiguous(), page_elems,
         BLOCK=_BLOCK,
     )  # fmt: skip
@@ -62,3 +65,93 @@ def copy_pages_reference(
     _check(kv_cache, bank_pages)
     take = fill_slots >= 0
     bank_pages[fill_slots[take].long()] = kv_cache[fill_pages[take].long()]
+
+
+# --------------------------------------------------------------------------- key rows
+_ROW_BLOCK = 64  # listed rows per program iteration
+_ROW_PROGRAMS = 512  # programs of a promotion launch: they stride over the list
+
+
+@triton.jit
+def _promote_rows_kernel(
+    rows_ptr, table_ptr, owner_ptr, missed_ptr, missed_rows_ptr, state_ptr, n_slots, missed_cap,
+    stride_row, head_dim, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    n = tl.minimum(tl.load(state_ptr), missed_cap)
+    ring = tl.load(state_ptr + 1)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    for start in range(tl.program_id(0) * BLOCK_N, n, tl.num_programs(0) * BLOCK_N):
+        i = start + tl.arange(0, BLOCK_N)
+        ok = i < n
+        r = tl.load(missed_ptr + i, mask=ok, other=0).to(tl.int64)
+        slot = (ring + i) % n_slots
+        prev = tl.load(owner_ptr + slot, mask=ok, other=-1).to(tl.int64)
+        # the evicted row leaves the table only if the table still places it here (an owner
+        # entry may be stale: invalidated, or refilled elsewhere since); -3: no entry holds it
+        evict = ok & (prev >= 0)
+        tl.atomic_cas(table_ptr + tl.where(evict, prev, 0),
+                      tl.where(evict, slot, -3).to(tl.int32),
+                      tl.full([BLOCK_N], -1, tl.int32), sem="relaxed")  # fmt: skip
+        tl.store(owner_ptr + slot, r.to(tl.int32), mask=ok)
+        m2 = ok[:, None] & d_ok[None, :]
+        x = tl.load(missed_rows_ptr + i[:, None] * stride_row + offs_d[None, :], mask=m2)
+        tl.store(rows_ptr + slot[:, None] * stride_row + offs_d[None, :], x, mask=m2)
+        tl.store(table_ptr + r, slot.to(tl.int32), mask=ok)
+
+
+@triton.jit
+def _advance_ring_kernel(state_ptr, n_slots, missed_cap):
+    n = tl.minimum(tl.load(state_ptr), missed_cap)
+    tl.store(state_ptr + 1, (tl.load(state_ptr + 1) + n) % n_slots)
+    tl.store(state_ptr + 4, tl.load(state_ptr + 4) + n)
+    tl.store(state_ptr, 0)
+
+
+def _check_rows(key_rows) -> int:
+    n_slots = key_rows.owner.shape[0]
+    if key_rows.missed.shape[0] > n_slots:
+        raise ValueError("the missed-row list may not outgrow the bank: fills must be distinct")
+    copies, rows = key_rows.missed_rows, key_rows.rows
+    if copies.dtype != rows.dtype or copies.stride() != rows.stride():
+        raise ValueError("the missed rows' copies are rows like the bank's")
+    return n_slots
+
+
+def promote_key_rows(key_rows) -> None:
+    """Copy the rows a refresh listed (``reference.KeyRows.missed``, the first ``state[0]``,
+    at most the list's length; their copies in ``missed_rows``) into the bank, in ring order:
+    the i-th takes
+    slot ``(state[1] + i) % slots``, evicting what that slot held (first in, first out), then
+    move the ring on and empty the list. Fixed grid, no host sync: a refresh's graph holds it.
+
+    First in, first out rather than least recently used: an exact LRU would sort millions of
+    slot stamps per layer and refresh; with a bank at least the size of the probes' working
+    set (the default split gives the pruning stages most of it) the ring rarely evicts a hot
+    row, and one it evicts is listed again by the next refresh that misses it."""
+    n_slots = _check_rows(key_rows)
+    d = key_rows.rows.shape[1]
+    _promote_rows_kernel[(_ROW_PROGRAMS,)](
+        key_rows.rows, key_rows.table, key_rows.owner, key_rows.missed, key_rows.missed_rows,
+        key_rows.state, n_slots, key_rows.missed.shape[0], key_rows.rows.stride(0), d,
+        BLOCK_N=_ROW_BLOCK, BLOCK_D=triton.next_power_of_2(d),
+    )  # fmt: skip
+    _advance_ring_kernel[(1,)](key_rows.state, n_slots, key_rows.missed.shape[0])
+
+
+def promote_key_rows_reference(key_rows) -> None:
+    """The same in PyTorch (it syncs)."""
+    n_slots = _check_rows(key_rows)
+    n = min(int(key_rows.state[0]), key_rows.missed.shape[0])
+    ring = int(key_rows.state[1])
+    for i in range(n):
+        r, slot = int(key_rows.missed[i]), (ring + i) % n_slots
+        prev = int(key_rows.owner[slot])
+        if prev >= 0 and int(key_rows.table[prev]) == slot:
+            key_rows.table[prev] = -1
+        key_rows.owner[slot] = r
+        key_rows.rows[slot] = key_rows.missed_rows[i]
+        key_rows.table[r] = slot
+    key_rows.state[1] = (ring + n) % n_slots
+    key_rows.state[4] += n
+    key_rows.state[0] = 0

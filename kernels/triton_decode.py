@@ -126,6 +126,14 @@ def _probe(
     bank_ptr,
     table_ptr,
     stride_slot,
+    rows_ptr,
+    row_table_ptr,
+    missed_ptr,
+    missed_rows_ptr,
+    row_state_ptr,
+    stride_row,
+    missed_cap,
+    n_kv_heads,
     PAGE_SIZE: tl.constexpr,
     ROPE: tl.constexpr,
     ROT_DIM: tl.constexpr,
@@ -134,17 +142,27 @@ def _probe(
     BLOCK_F: tl.constexpr,
     BLOCK_P: tl.constexpr,
     HAS_BANK: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
     k_scale,
     KV_FP8: tl.constexpr,
 ):
     """q . k (fp32) of one query (:func:`_load_query`'s parts) at each key position in ``pos``,
-    keys turned by ``delta``. With ``HAS_BANK``, keys of pages the residency table places in
-    the bank are read there. With ``KV_FP8`` the keys are e4m3 (bank pages too), dequantized
-    as ``float32(k) * k_scale`` before anything else."""
+    keys turned by ``delta``, and the (hits, misses) of the key-row bank. With ``HAS_BANK``,
+    keys of pages the residency table places in the bank are read there; with ``HAS_ROWS``,
+    keys the key-row bank holds (:func:`_key_row_rows`). With ``KV_FP8`` the keys are e4m3
+    (banks too), dequantized as ``float32(k) * k_scale`` before anything else."""
     rows = paged_rows(
         kv_ptr, bt_row, stride_btp, pos, mask, kv_head, stride_kpage, stride_ktok, stride_khead,
         bank_ptr, table_ptr, stride_slot, PAGE_SIZE, HAS_BANK,
     )  # fmt: skip
+    n_hit = 0
+    n_miss = 0
+    if HAS_ROWS:
+        rows, n_hit, n_miss = _key_row_rows(
+            rows, bt_row, stride_btp, pos, mask, kv_head, n_kv_heads, rows_ptr, row_table_ptr,
+            missed_ptr, missed_rows_ptr, row_state_ptr, stride_row, missed_cap, offs_d, d_in,
+            stride_kd, PAGE_SIZE,
+        )  # fmt: skip
     # One query: an fp32 product-sum, exact like the reference's fp32 matmul (no tensor cores
     # needed for a single row).
     if ROPE:
@@ -162,7 +180,63 @@ def _probe(
         if KV_FP8:
             k = k * k_scale
         s = tl.sum(k * qa[None, :], axis=1)
-    return s
+    return s, n_hit, n_miss
+
+
+@triton.jit
+def _key_row_rows(
+    rows,
+    bt_row,
+    stride_btp,
+    t,
+    ok,
+    kv_head,
+    n_kv_heads,
+    rows_ptr,
+    row_table_ptr,
+    missed_ptr,
+    missed_rows_ptr,
+    row_state_ptr,
+    stride_row,
+    missed_cap,
+    offs_d,
+    d_in,
+    stride_kd,
+    PAGE_SIZE: tl.constexpr,
+):
+    """The key-row bank's part of a probe (``reference.KeyRows``): rows it holds are read
+    there; each absent row is listed once for promotion (a compare-and-swap -1 -> -2 on its
+    table entry picks one lister among the programs that missed it), and the lister keeps a
+    copy of it beside the list, so that the promotion reads GPU memory, not the host a second
+    time. Returns the pointers and this probe's (hits, misses). No bank slot is written here:
+    the promotion is a launch of its own after the stages, so no program can read a slot while
+    it is refilled."""
+    t = tl.where(ok, t, 0)
+    page = tl.load(bt_row + (t // PAGE_SIZE) * stride_btp, mask=ok, other=0).to(tl.int64)
+    r = (page * PAGE_SIZE + (t % PAGE_SIZE)) * n_kv_heads + kv_head
+    slot = tl.load(row_table_ptr + r, mask=ok, other=-1).to(tl.int64)
+    hit = ok & (slot >= 0)
+    rows = tl.where(hit, rows_ptr + slot * stride_row, rows)
+    absent = ok & (slot == -1)  # -2: another program listed it already
+    if tl.max(absent.to(tl.int32), axis=0) > 0:
+        # lanes that list nothing compare against -3, a value no entry holds
+        cmp = tl.where(absent, -1, -3).to(tl.int32)
+        old = tl.atomic_cas(row_table_ptr + r, cmp, tl.full(cmp.shape, -2, tl.int32),
+                            sem="relaxed")  # fmt: skip
+        listed = absent & (old == -1)
+        at = tl.atomic_add(row_state_ptr + r * 0, listed.to(tl.int64), mask=listed,
+                           sem="relaxed")  # fmt: skip
+        kept = listed & (at < missed_cap)
+        tl.store(missed_ptr + at, r.to(tl.int32), mask=kept)
+        m2 = kept[:, None] & d_in[None, :]
+        raw = tl.load(rows[:, None] + offs_d[None, :] * stride_kd, mask=m2)
+        tl.store(missed_rows_ptr + at[:, None] * stride_row + offs_d[None, :], raw, mask=m2)
+        # past the list's end: absent again, so that a later refresh lists it
+        tl.store(row_table_ptr + r, tl.full(cmp.shape, -1, tl.int32),
+                 mask=listed & (at >= missed_cap))  # fmt: skip
+    n_hit = tl.sum(hit.to(tl.int32), axis=0)
+    n_miss = tl.sum((ok & (slot < 0)).to(tl.int32), axis=0)
+    return rows, n_hit, n_miss
 
 
 @triton.jit
@@ -210,6 +284,14 @@ def _decode_select_kernel(
     bank_ptr,
     table_ptr,
     stride_slot,
+    rows_ptr,
+    row_table_ptr,
+    missed_ptr,
+    missed_rows_ptr,
+    row_state_ptr,
+    stride_row,
+    missed_cap,
+    n_kv_heads,
     k_scale_ptr,
     q_scale,
     head_dim,
@@ -250,6 +332,7 @@ def _decode_select_kernel(
     BLOCK_CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_BANK: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
     KV_FP8: tl.constexpr,
     FUSE_TOP: tl.constexpr,
     OUT_INDEX: tl.constexpr,
@@ -308,6 +391,8 @@ def _decode_select_kernel(
         k_scale = 1.0
 
     best_all = tl.full([BLOCK_CHUNK], float("-inf"), tl.float32)
+    row_hits = tl.zeros([], tl.int32)
+    row_misses = tl.zeros([], tl.int32)
     for g in tl.static_range(HEADS):
         head = head_block * HEADS + g
         q_row = b.to(tl.int64) * stride_qb + head * stride_qh
@@ -330,21 +415,25 @@ def _decode_select_kernel(
             else:  # the paper's Algorithm 3: the first key of each half
                 p_left = left
                 p_right = mid
-            s_left = _probe(
+            s_left, h1, m1 = _probe(
                 kv_ptr, bt_row, stride_btp, p_left, live, kv_head, qa, qb, qp, offs_d, d_in,
                 head_dim, stride_kpage, stride_ktok, stride_khead, stride_kd, base - p_left,
                 rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr, stride_slot,
-                PAGE_SIZE, ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, HAS_BANK, k_scale,
-                KV_FP8,
+                rows_ptr, row_table_ptr, missed_ptr, missed_rows_ptr, row_state_ptr, stride_row,
+                missed_cap, n_kv_heads, PAGE_SIZE, ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, HAS_BANK,
+                HAS_ROWS, k_scale, KV_FP8,
             )  # fmt: skip
-            s_right = _probe(
+            s_right, h2, m2 = _probe(
                 kv_ptr, bt_row, stride_btp, p_right, live, kv_head, ra, rb, rp, offs_d, d_in,
                 head_dim, stride_kpage, stride_ktok, stride_khead, stride_kd, base - p_right,
                 rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr, stride_slot,
-                PAGE_SIZE, ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, HAS_BANK, k_scale,
-                KV_FP8,
+                rows_ptr, row_table_ptr, missed_ptr, missed_rows_ptr, row_state_ptr, stride_row,
+                missed_cap, n_kv_heads, PAGE_SIZE, ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, HAS_BANK,
+                HAS_ROWS, k_scale, KV_FP8,
             )  # fmt: skip
             # Strictly greater goes left, so a tie descends right, as in the reference.
+            row_hits += h1 + h2
+            row_misses += m1 + m2
             go_left = s_left > s_right
             best = tl.where(live, tl.maximum(best, tl.where(go_left, s_left, s_right)), best)
             right = tl.where(live & go_left, mid, right)
@@ -352,15 +441,21 @@ def _decode_select_kernel(
         # A chunk one key wide never probed: that key is its score (left-branch query).
         single = c_in & (best == float("-inf"))
         if tl.max(single.to(tl.int32), axis=0) > 0:
-            s_single = _probe(
+            s_single, h3, m3 = _probe(
                 kv_ptr, bt_row, stride_btp, left, single, kv_head, qa, qb, qp, offs_d, d_in,
                 head_dim, stride_kpage, stride_ktok, stride_khead, stride_kd, base - left,
                 rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr, stride_slot,
-                PAGE_SIZE, ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, HAS_BANK, k_scale,
-                KV_FP8,
+                rows_ptr, row_table_ptr, missed_ptr, missed_rows_ptr, row_state_ptr, stride_row,
+                missed_cap, n_kv_heads, PAGE_SIZE, ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, HAS_BANK,
+                HAS_ROWS, k_scale, KV_FP8,
             )  # fmt: skip
             best = tl.where(single, s_single, best)
+            row_hits += h3
+            row_misses += m3
         best_all = tl.maximum(best_all, best)
+    if HAS_ROWS:
+        tl.atomic_add(row_state_ptr + 2, row_hits.to(tl.int64), sem="relaxed")
+        tl.atomic_add(row_state_ptr + 3, row_misses.to(tl.int64), sem="relaxed")
     # The max over heads is exact in any order, so the atomic keeps the result deterministic.
     tl.atomic_max(scores_ptr + b.to(tl.int64) * stride_sb + offs_c, best_all, mask=c_in)
     if FUSE_TOP:
@@ -686,6 +781,7 @@ def refresh_masks(
     gate: contextlib.AbstractContextManager | None = None,
     fuse_top: bool = True,
     query_buffers: torch.Tensor | None = None,
+    key_rows: ref.KeyRows | None = None,
 ) -> None:
     """Rerun every stage at or after each row's refresh level, from its stored input (§1.6).
 
@@ -709,6 +805,10 @@ def refresh_masks(
     arrival counters, the placed queries' buffers) is made before it.
     ``query_buffers``: float32 ``[2, >= B, H_q, D]`` for the queries a RoPE style places
     (:func:`place_queries`); a caller that captures graphs preallocates it.
+    ``key_rows``: the host tier's key-row bank of the layer (``reference.KeyRows``; it takes
+    the place of ``bank`` here): probed rows it holds are read there, the others from the cache
+    and listed, and after the last stage the listed rows are promoted
+    (:func:`triton_bank.promote_key_rows`), inside ``gate``.
     ``fuse_top``: rank each stage in its SelectRep launch (saves a launch per stage on steps
     that refresh nothing, whose programs exit at once) or in a launch of its own (a faster
     refresh: the fused ranking raises SelectRep's register count; the choice where a gate
@@ -735,6 +835,11 @@ def refresh_masks(
         q_left, q_right, q_scale = q, None, scale
         rope_args = (q_left, q_left, 0, 1)
         rope_meta = dict(ROPE_STYLE=ROPE_NONE, ROT_DIM=0, IS_NEOX=True, BLOCK_F=16, BLOCK_P=0)
+    if key_rows is not None:
+        bank = None  # the stages read K only: the key rows serve them
+        row_args = _key_row_args(key_rows, kv_cache)
+    else:
+        row_args = (kv_cache, kv_cache, kv_cache, kv_cache, kv_cache, 0, 0, 0)
     bank_pages, bank_table = check_bank(bank, kv_cache)
     kv_cache, k_sc, _, kv_fp8 = kv_quant_args(kv_cache, k_scale, v_scale)
     bank_pages = fp8_view(bank_pages)
@@ -758,8 +863,8 @@ def refresh_masks(
             _decode_select_kernel[(batch, triton.cdiv(width, block_chunk), hq // heads)](
                 q_left, q_left if q_right is None else q_right, kv_cache, rows.block_table,
                 rows.seq_lens, rows.slots, rows.levels, cand, masks.counts, masks.widths,
-                scores[i], *rope_args, bank_pages, bank_table, bank_pages.stride(0), k_sc,
-                q_scale, d, params.sink_tokens, params.scan_window,
+                scores[i], *rope_args, bank_pages, bank_table, bank_pages.stride(0), *row_args,
+                k_sc, q_scale, d, params.sink_tokens, params.scan_window,
                 *q_left.stride(), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
                 kv_cache.stride(4), *rows.block_table.stride(), cand.stride(0), cand.stride(1),
                 masks.counts.stride(0), scores[i].stride(0), arrivals, out, out.stride(0),
@@ -767,7 +872,8 @@ def refresh_masks(
                 GROUP=hq // hkv, HEADS=heads, PAGE_SIZE=page_size,
                 N_ITERS=ref.bisect_steps(st.chunk_size), MIDPOINT=params.probe == "midpoint",
                 LO_BITS=LO_BITS, BLOCK_CHUNK=block_chunk, BLOCK_D=block_d,
-                HAS_BANK=bank is not None, KV_FP8=kv_fp8, FUSE_TOP=fuse, num_warps=4,
+                HAS_BANK=bank is not None, HAS_ROWS=key_rows is not None, KV_FP8=kv_fp8,
+                FUSE_TOP=fuse, num_warps=4,
                 **rope_meta, **top_meta,
             )  # fmt: skip
             if fuse:
@@ -775,3 +881,24 @@ def refresh_masks(
             if reduce_scores is not None:  # (never under a gate: it allocates, and collectives)
                 scores[i][:batch].copy_(reduce_scores(scores[i][:batch]))
             top_chunks(scores[i], rows, masks, params, i)
+        if key_rows is not None:
+            from .triton_bank import promote_key_rows
+
+            promote_key_rows(key_rows)
+
+
+def _key_row_args(key_rows: ref.KeyRows, kv_cache: torch.Tensor) -> tuple:
+    """The select kernel's key-row bank arguments, checked: rows in the cache's dtype, one
+    contiguous ``D``-row per slot."""
+    rows = key_rows.rows
+    d, hkv = kv_cache.shape[4], kv_cache.shape[3]
+    if rows.dtype != kv_cache.dtype or rows.shape[1] != d or rows.stride(1) != 1:
+        raise ValueError(f"key rows must be [slots + 1, {d}] rows of the cache's dtype")
+    if kv_cache.stride(4) != 1:
+        raise ValueError("the key-row bank needs a cache whose head_dim is contiguous")
+    if key_rows.table.numel() < kv_cache.shape[0] * kv_cache.shape[2] * hkv + 1:
+        raise ValueError("the key-row table needs an entry per cache row, plus a spare")
+    if key_rows.missed_rows.shape != (key_rows.missed.shape[0], d):
+        raise ValueError("the missed rows' copies are [list length, D]")
+    return (fp8_view(rows), key_rows.table, key_rows.missed, fp8_view(key_rows.missed_rows),
+            key_rows.state, rows.stride(0), key_rows.missed.shape[0], hkv)  # fmt: skip

@@ -56,6 +56,31 @@ def test_gpu_tier_refuses_what_does_not_fit_naming_the_field():
         size_host_tier(OffloadConfig(enabled=True), device_budget=0, available_host=100 * GIB)
 
 
+def test_key_row_share_parses_and_bad_values_name_the_field():
+    from vllm_infinitehip.config import InfiniteHiPConfig
+
+    assert InfiniteHiPConfig.from_user({"offload": True}).offload.key_row_share == 0.75
+    cfg = InfiniteHiPConfig.from_user({"offload": {"bank_gib": 8, "key_row_share": 0.9}})
+    assert cfg.offload.key_row_share == 0.9 and cfg.offload.bank_gib == 8.0
+    for bad in (0, 1, 1.5, -0.1, True, "half"):
+        with pytest.raises(InfiniteHiPConfigError, match=r"infinitehip\.offload\.key_row_share"):
+            InfiniteHiPConfig.from_user({"offload": {"key_row_share": bad}})
+
+
+def test_key_row_bank_sizes_from_its_share_and_gives_way_when_the_table_does_not_fit():
+    """The row table (4 bytes per cache row and layer) and a refresh's list come first; the
+    rest are slots. Llama-3-8B shapes, 72 GiB of bf16 host KV, 12 GiB for key rows."""
+    from vllm_infinitehip.block_manager.key_rows import MAX_LISTED, KeyRowBank
+
+    meta = torch.device("meta")
+    pages = 72 * 2**30 // (32 * 64 * 1024)
+    bank = KeyRowBank.sized(12 * 2**30, 32, pages, 16, 8, 128, torch.bfloat16, meta)
+    assert bank.num_slots == 1409526 and bank.missed.shape == (32, MAX_LISTED)
+    assert bank.nbytes <= 12 * 2**30
+    assert KeyRowBank.sized(pages * 16 * 8 * 4 * 32, 32, pages, 16, 8, 128, torch.bfloat16,
+                            meta) is None  # the table alone  # fmt: skip
+
+
 def test_cpu_bank_is_a_share_of_the_tier_and_at_most_all_of_it():
     tier = size_host_tier(OffloadConfig(enabled=True, host_gib=8), device_budget=GIB,
                           available_host=100 * GIB, bank_on_host=True)  # fmt: skip

@@ -419,3 +419,99 @@ def test_a_captured_cascade_behind_a_gate_runs_only_when_the_flag_is_set():
     flag.fill_(True)  # the same replay with the flag set does refresh
     graph.replay()
     assert not torch.equal(got.final, before[0])
+
+
+def _key_rows_consistent(bank, cache: torch.Tensor) -> int:
+    """Every row the table places in a slot is that slot's owner, and the slot holds the
+    cache's row; nothing is left listed. Returns how many rows are resident."""
+    from vllm_infinitehip.block_manager.key_rows import LISTED
+
+    table = bank.table[0, :-1].cpu()
+    k_rows = cache[:, 0].reshape(-1, cache.shape[-1]).cpu()
+    assert not bool((table == LISTED).any()), "a listed row outlived its refresh"
+    resident = torch.nonzero(table >= 0).view(-1)
+    slots = table[resident].long()
+    assert torch.equal(bank.owner[0].cpu()[slots].long(), resident)
+    assert torch.equal(bank.rows[0].cpu()[slots], k_rows[resident])
+    return resident.numel()
+
+
+def test_key_row_bank_lists_misses_promotes_them_and_serves_the_next_refresh(rope_style=None):
+    """The host tier's cache for the pruning stages: a refresh through an empty key-row bank
+    stores the masks it stores without one, lists what it read, and promotes exactly those
+    rows; the next refresh reads every probe from the bank (its rows poisoned in the cache,
+    the masks unchanged). A bank too small for the probes evicts first in, first out, and
+    stays consistent and exact; Triton's promotion equals the PyTorch one."""
+    from vllm_infinitehip.block_manager.key_rows import ABSENT, KeyRowBank
+    from vllm_infinitehip.kernels import triton_bank
+
+    gen = torch.Generator().manual_seed(33)
+    hq, hkv, d, page = 4, 2, 32, 16
+    rope = rope_plan(rope_style, d)
+    params = small_params(rope)
+    seq_lens = [1500, 2900, 700]
+    cache, table, q = batch(seq_lens, hq, hkv, d, page, gen)
+    cache, q = cache.to(DEVICE), q.to(DEVICE)
+    device = torch.device(DEVICE)
+    placement = None
+    if rope is not None:
+        placement = td.QueryPlacement.build(rope_style, rope.table, params.scan_window, device)
+
+    def refresh(kv, key_rows=None):
+        masks = dec.DecodeMasks.allocate(params, 64, 4, device)
+        scores = dec.allocate_scores(dec.stage_widths(params, 3000), 4, device)
+        rows = rows_on(DEVICE, table, seq_lens, [0, 1, 2], [0, 0, 0])
+        td.refresh_masks(params, masks, q, kv, rows, d**-0.5, scores, placement,
+                         key_rows=key_rows)  # fmt: skip
+        return masks
+
+    want = refresh(cache)
+    n_pages = cache.shape[0]
+    big = KeyRowBank(1, n_pages, page, hkv, d, n_pages * page * hkv, cache.dtype, device)
+    assert_masks_equal(refresh(cache, big.layer(0)), want, [0, 1, 2])
+    hits, misses, filled = big.state[0, 2:].tolist()
+    resident = _key_rows_consistent(big, cache)
+    assert hits == 0 and misses >= resident > 100 and filled == resident
+    assert big.state[0, :2].tolist() == [0, resident]  # list emptied, ring moved on
+    # the second refresh probes the same rows: all resident, read from the bank
+    poisoned = cache.clone()
+    r = torch.nonzero(big.table[0, :-1] >= 0).view(-1)
+    per_page = page * hkv
+    poisoned[r // per_page, 0, (r % per_page) // hkv, r % hkv] = float("nan")
+    big.state[0, 2:] = 0
+    assert_masks_equal(refresh(poisoned, big.layer(0)), want, [0, 1, 2])
+    assert big.state[0, 3:].tolist() == [0, 0] and big.state[0, 2].item() >= resident
+    assert _key_rows_consistent(big, cache) == resident
+    with pytest.raises(AssertionError):  # the poisoned rows are probed
+        assert_masks_equal(refresh(poisoned), want, [0, 1, 2])
+
+    # too small: more misses than slots; the list's overflow is absent again, not stuck
+    small = KeyRowBank(1, n_pages, page, hkv, d, 64, cache.dtype, device)
+    for _ in range(2):
+        assert_masks_equal(refresh(cache, small.layer(0)), want, [0, 1, 2])
+        assert _key_rows_consistent(small, cache) == 64
+    assert small.state[0, 1].item() == 0  # two full turns of the ring
+
+    # the promotion itself, Triton against PyTorch, from the same listed rows
+    small.table[0, :-1][small.table[0, :-1] >= 0] = ABSENT  # stale owners stay
+    twin = KeyRowBank(1, n_pages, page, hkv, d, 64, cache.dtype, device)
+    for name in ("rows", "table", "owner", "state"):
+        getattr(twin, name).copy_(getattr(small, name))
+    listed = torch.randperm(n_pages * page * hkv, generator=gen)[:50].int().to(device)
+    for b in (small, twin):
+        b.missed[0, :50] = listed
+        b.missed_rows[0, :50] = cache[:, 0].reshape(-1, d)[listed.long()]
+        b.table[0, listed.long()] = -2
+        b.state[0, :2] = torch.tensor([50, 40])
+    triton_bank.promote_key_rows(small.layer(0))
+    triton_bank.promote_key_rows_reference(twin.layer(0))
+    for name in ("rows", "table", "owner", "state"):
+        assert torch.equal(getattr(small, name), getattr(twin, name)), name
+    assert small.missed.shape[1] == 64
+    assert _key_rows_consistent(small, cache) == 50
+
+    # rows of freed pages and written rows leave the table
+    small.invalidate(torch.unique(listed.long() // (page * hkv))[:3])
+    small.forget_writes(0, small.written_rows(torch.tensor([-1, 5], device=device)))
+    left = _key_rows_consistent(small, cache)
+    assert left < 50 and int(small.occupancy()[0]) == left

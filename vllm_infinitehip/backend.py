@@ -45,6 +45,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm_infinitehip import step_branches
 from vllm_infinitehip.block_manager import tier as host_tier
 from vllm_infinitehip.block_manager.bank import Bank, PrefillStaging, decode_read_pages
+from vllm_infinitehip.block_manager.key_rows import KeyRowBank
 from vllm_infinitehip.config import (
     CPU_DENSE_PREFILL_CROSSOVER,
     DENSE_PREFILL_CROSSOVER,
@@ -147,9 +148,11 @@ def _layer_index(layer_name: str) -> int:
 def _make_bank(
     config: InfiniteHiPConfig, vllm_config: VllmConfig, spec: AttentionSpec, layers: int,
     device: torch.device,
-) -> tuple[Bank, PrefillStaging | None]:
-    """This group's bank and, on a GPU, its prefill staging, sized from the GPU memory the
-    tier's worker set aside (vLLM's profiled KV budget): staging first, the bank the rest."""
+) -> tuple[Bank, KeyRowBank | None, PrefillStaging | None]:
+    """This group's bank and, on a GPU, its key-row bank and prefill staging, sized from the
+    GPU memory the tier's worker set aside (vLLM's profiled KV budget): staging first, the
+    banks the rest, split by ``offload.key_row_share``. On the CPU the pruning stages run the
+    reference, which reads every key of a request anyway: no key-row bank there."""
     tier = host_tier.current()
     if tier is None:
         raise RuntimeError(
@@ -167,15 +170,32 @@ def _make_bank(
             if config.offload.bank_gib is not None or bank_bytes <= 0:
                 raise host_tier_error(tier, bank_bytes + staging_bytes, staging_bytes)
         staging = PrefillStaging(max_pages, page_shape, spec.dtype, device)
+    key_rows = None
+    if device.type == "cuda":
+        row_bytes = int(bank_bytes * config.offload.key_row_share)
+        key_rows = KeyRowBank.sized(row_bytes, layers, num_pages, spec.block_size,
+                                    spec.num_kv_heads, spec.head_size, spec.dtype, device)  # fmt: skip
+        if key_rows is None:  # the row table alone outgrows the share: pages take it all
+            logger.warning(
+                "InfiniteHiP host tier: offload.key_row_share of the bank (%.3f GiB) cannot hold "
+                "the key-row table of %d host pages; the pruning stages read through the page "
+                "bank", row_bytes / 2**30, num_pages,
+            )  # fmt: skip
+        else:
+            bank_bytes -= key_rows.nbytes
+            tier.register(key_rows)
     bank = Bank.sized(bank_bytes, layers, num_pages, page_shape, spec.dtype, device)
     tier.register(bank.cache)
+    gib = 2**30
     logger.info(
-        "InfiniteHiP host tier: %.1f GiB of KV on the host (%d pages), a GPU bank of %d pages per "
-        "layer (%.2f GiB), prefill staging %.2f GiB", tier.host_bytes / 2**30, num_pages,
-        bank.num_slots, bank.pages.numel() * bank.pages.element_size() / 2**30,
-        0 if staging is None else staging.pages.numel() * staging.pages.element_size() / 2**30,
+        "InfiniteHiP host tier: %.1f GiB of KV on the host (%d pages); on the GPU a bank of %d "
+        "pages per layer (%.2f GiB), %d key rows per layer for pruning (%.2f GiB), prefill "
+        "staging %.2f GiB", tier.host_bytes / gib, num_pages, bank.num_slots,
+        bank.pages.numel() * bank.pages.element_size() / gib,
+        0 if key_rows is None else key_rows.num_slots, 0 if key_rows is None else key_rows.nbytes / gib,
+        0 if staging is None else staging.pages.numel() * staging.pages.element_size() / gib,
     )  # fmt: skip
-    return bank, staging
+    return bank, key_rows, staging
 
 
 def host_tier_error(tier: host_tier.HostTier, wanted: int, staging: int) -> Exception:
@@ -219,6 +239,9 @@ class StepPlan:
     # the host tier's GPU bank of this group (offload on), and each layer's index in it
     bank: Bank | None = None
     bank_layers: dict[str, int] = field(default_factory=dict)
+    # the pruning stages' key rows (GPU), and the table columns of the rows the step writes
+    key_rows: KeyRowBank | None = None
+    key_row_writes: torch.Tensor | None = None
     staging: PrefillStaging | None = None
     # how many planned fill entries this step's layers scan (set by the builder): the decode
     # rows' share of the plan, not its capacity, since every entry is a program even when empty
@@ -237,7 +260,10 @@ class SparseCall:
 
 
 @dataclass(frozen=True)
-class SparseBatch:
+class PrefillBatch:
+    """Prefill chunks that read the same cache: one varlen dense call, then the sparse calls."""
+
+    dense: DenseRows | None
     calls: tuple[SparseCall, ...]
     # the host tier stages one request's pages at a time on the GPU: its row and length
     staged: tuple[int, int] | None = None
@@ -245,12 +271,11 @@ class SparseBatch:
 
 @dataclass(frozen=True)
 class PrefillPlan:
-    """A step's prefill chunks, planned once for every layer: the dense ones, the sparse ones
-    (one batch, or one per request when the host tier stages them), and the (query, context
-    key) pairs of the sparse queries (host int; the kernels count what they attended)."""
+    """A step's prefill chunks, planned once for every layer: one batch, or with the host tier
+    one per request it stages plus one of the chunks it does not; and the (query, context key)
+    pairs of the sparse queries (host int; the kernels count what they attended)."""
 
-    dense: DenseRows | None
-    sparse: tuple[SparseBatch, ...]
+    batches: tuple[PrefillBatch, ...]
     context_pairs: int
 
 
@@ -341,7 +366,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         """The host tier's bank and staging, and every layer's final masks in one tensor so that
         a step plans the promotions of all layers at once."""
         plan = self.plan
-        plan.bank, plan.staging = _make_bank(
+        plan.bank, plan.key_rows, plan.staging = _make_bank(
             self.config, vllm_config, spec, len(layer_names), device
         )
         plan.bank_layers = {name: i for i, name in enumerate(layer_names)}
@@ -358,15 +383,27 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         per_row = -(-params.sink_tokens // page) + (-(-params.window_tokens // page) + 1)
         per_row += self._final_all.shape[2]
         self._tier_pages_per_row = per_row
-        plan.bank.allocate_plan(
-            vllm_config.scheduler_config.max_num_seqs * per_row,
-            vllm_config.scheduler_config.max_num_batched_tokens,
-        )
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        plan.bank.allocate_plan(vllm_config.scheduler_config.max_num_seqs * per_row, max_tokens)
+        if plan.key_rows is not None:
+            spare = plan.key_rows.table.shape[1] - 1
+            plan.key_row_writes = torch.full((max_tokens * spec.num_kv_heads,), spare,
+                                             dtype=torch.int64, device=device)  # fmt: skip
 
     def _plan_tier(self, m: CommonAttentionMetadata, num_decodes: int, capture: bool) -> None:
         """The step's bank work for every layer (eager, before the step's graph): promotions
         for the decode rows, and where each written token goes in the bank."""
         bank = self.plan.bank
+        writes = self.plan.key_row_writes
+        if writes is not None:
+            n = m.num_actual_tokens
+            columns = self.plan.key_rows.written_rows(m.slot_mapping[:n]) if not capture else None
+            spare = self.plan.key_rows.table.shape[1] - 1
+            if columns is None:
+                writes.fill_(spare)
+            else:
+                writes[: columns.numel()] = columns
+                writes[columns.numel() :] = spare
         if capture:  # the graph must hold the layers' copies; nothing to copy at capture
             bank.clear_fills()
             bank.write_slots.fill_(-1)
@@ -458,48 +495,60 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         ``seq_lens[i]``-token context): dense at or below the dense threshold, else cut into
         parts as INFINITEHIP.md §1 prunes them, each part of every chunk in one batch."""
         counters, config = self.plan.counters, self.config
-        bq_first, bq = config.stages[0].block_size_q, config.stages[-1].block_size_q
+        bq = config.stages[-1].block_size_q
         tail = bq if config.tail_window(self._trained) is not None else 0
         dense: list[RequestPart] = []
-        # (row, length, staged, its parts by kind)
-        sparse: list[tuple[int, int, bool, list[tuple[str, RequestPart]]]] = []
+        parts: list[tuple[str, RequestPart]] = []
+        # with the host tier: (row, length), dense part, sparse parts of each staged chunk
+        staged: list[tuple[tuple[int, int], list[RequestPart], list[tuple[str, RequestPart]]]] = []
         context = 0
         for i in range(first, len(seq_lens)):
             lo, hi, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
             n = hi - lo
             if n == 0:
                 continue
+            # the host tier stages a chunk's pages when its queries re-read the context (dense
+            # tiles, or query blocks): from a GPU copy, not over the bus. Its parts then read
+            # the staged table's row 0.
+            stage = self.plan.staging is not None and n > bq
+            row = 0 if stage else i
             if seq_len <= self.plan.prefill_threshold:
                 counters.dense_queries += n
-                dense.append(RequestPart(i, lo, hi, seq_len - n, seq_len))
+                part = RequestPart(row, lo, hi, seq_len - n, seq_len)
+                if stage:
+                    staged.append(((i, seq_len), [part], []))
+                else:
+                    dense.append(part)
                 continue
             counters.sparse_prefill_queries += n
             context += n * seq_len - n * (n - 1) // 2  # sum of (p + 1) over the positions
             last = n - 1 if config.prefill_final_query_own_mask else n
             body_end = max(0, min(n - tail, last))
-            # the host tier stages a chunk's pages when its query blocks re-read the context
-            # (from a GPU copy, not over the bus): its parts then read the staged table's row 0
-            staged = self.plan.staging is not None and n > bq
-            row = 0 if staged else i
-            sparse.append((i, seq_len, staged, [
+            chunk = [
                 (kind, RequestPart(row, lo + a, lo + b, seq_len - n + a, seq_len))
                 for kind, a, b in (("body", 0, body_end), ("tail", body_end, last),
                                    ("tail", last, n))
                 if b > a
-            ]))  # fmt: skip
-        if self.plan.staging is not None:  # staging holds one request: a batch each
-            groups = [(parts, (i, seq_len) if staged else None)
-                      for i, seq_len, staged, parts in sparse]  # fmt: skip
-        else:
-            groups = [([p for *_, parts in sparse for p in parts], None)] if sparse else []
-        batches = []
-        for parts, staged in groups:
-            by_kind = {kind: [p for k, p in parts if k == kind] for kind in ("body", "tail")}
-            calls = tuple(SparseCall(kind, QueryBlocks.plan(ps, bq_first, self.device))
-                          for kind, ps in by_kind.items() if ps)  # fmt: skip
-            batches.append(SparseBatch(calls, staged))
-        return PrefillPlan(DenseRows.plan(dense, self.device) if dense else None,
-                           tuple(batches), context)  # fmt: skip
+            ]  # fmt: skip
+            if stage:
+                staged.append(((i, seq_len), [], chunk))
+            else:
+                parts.extend(chunk)
+        batches = [self._prefill_batch(dense, parts, None)] if dense or parts else []
+        batches += [self._prefill_batch(d, p, key) for key, d, p in staged]
+        return PrefillPlan(tuple(batches), context)
+
+    def _prefill_batch(
+        self, dense: list[RequestPart], parts: list[tuple[str, RequestPart]],
+        staged: tuple[int, int] | None,
+    ) -> PrefillBatch:  # fmt: skip
+        """One varlen dense call and one sparse call per kind of part (each part of every
+        chunk in one layout of query blocks of the first stage's b_q)."""
+        bq_first = self.config.stages[0].block_size_q
+        by_kind = {kind: [p for k, p in parts if k == kind] for kind in ("body", "tail")}
+        calls = tuple(SparseCall(kind, QueryBlocks.plan(ps, bq_first, self.device))
+                      for kind, ps in by_kind.items() if ps)  # fmt: skip
+        return PrefillBatch(DenseRows.plan(dense, self.device) if dense else None, calls, staged)
 
 
 class InfiniteHiPBackend(AttentionBackend):
@@ -712,6 +761,8 @@ class InfiniteHiPImpl(AttentionImpl):
         self._scratch = dataclasses.replace(
             plan.scratch, placement=placement,
             bank=bank.layer(self._bank_layer) if bank is not None else None,
+            key_rows=(plan.key_rows.layer(self._bank_layer)
+                      if plan.key_rows is not None else None),
             gate_region=plan.layer_order[layer.layer_name],
         )  # fmt: skip
         # the refresh body of a branched decode graph: the step's branch is the gate
@@ -746,6 +797,10 @@ class InfiniteHiPImpl(AttentionImpl):
                 lambda pages, slots: self._write_kv(layer, key, value, pages, slots),
                 fill_entries=plan.bank_fill_entries,
             )  # fmt: skip
+            if plan.key_rows is not None:
+                n = slot_mapping.shape[0] * kv_cache.shape[3]  # every KV head of each token
+                plan.key_rows.forget_writes(plan.bank_layers[layer.layer_name],
+                                            plan.key_row_writes[:n])  # fmt: skip
 
     def _write_kv(
         self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
@@ -818,20 +873,21 @@ class InfiniteHiPImpl(AttentionImpl):
         self, ops: AttentionOps, plan: PrefillPlan, q: torch.Tensor, out: torch.Tensor,
         kv_cache: torch.Tensor, block_table: torch.Tensor,
     ) -> None:  # fmt: skip
-        """The step's prefill chunks as planned: one dense call, then per sparse batch one
-        cascade and one attention launch per kind of part. Each chunk's last query block uses
+        """The step's prefill chunks as planned, batch by batch (staged first where the host
+        tier stages it): one dense call, then one cascade and one attention launch per kind of
+        part. Each chunk's last query block uses
         the tail window, and its final query (the next token's) may be pruned alone
         (``prefill_final_query_own_mask``)."""
         scales = self._kv_scales
-        if plan.dense is not None:
-            ops.dense_rows(plan.dense, q, out, kv_cache, block_table, self.scale, **scales)
-        for batch in plan.sparse:
+        for batch in plan.batches:
             cache, table = kv_cache, block_table
             if batch.staged is not None:
                 row, seq_len = batch.staged
                 cache, table_row = self.plan.staging.stage(kv_cache, block_table[row], seq_len,
                                                            self._copy_pages)  # fmt: skip
                 table = table_row.view(1, -1)
+            if batch.dense is not None:
+                ops.dense_rows(batch.dense, q, out, cache, table, self.scale, **scales)
             for call in batch.calls:
                 params = self._params if call.kind == "body" else (
                     self._tail_params or self._params)  # fmt: skip

@@ -82,11 +82,16 @@ class OffloadConfig:
       memory the machine has available at startup.
     - ``bank_gib``: GPU memory for the bank of hot pages. ``None``: what vLLM's profiling leaves
       for KV on the GPU (``gpu_memory_utilization``).
+    - ``key_row_share``: the share of the bank (0 to 1, exclusive) that holds single K rows for
+      the pruning stages' probes (``block_manager.key_rows``); the rest holds the pages
+      attention reads. Pruning probes about a quarter of every K row of the context, attention
+      reads a few thousand tokens per row and step, so K takes most (the paper's "favour K").
     """
 
     enabled: bool = False
     host_gib: float | None = None
     bank_gib: float | None = None
+    key_row_share: float = 0.75
 
 
 @dataclass(frozen=True)
@@ -488,4 +493,9 @@ def _offload(raw: Any) -> OffloadConfig:
                 f"`{where}.{name}`={v!r} must be a positive number of GiB (or null: automatic)"
             )
         sizes[name] = None if v is None else float(v)
-    return OffloadConfig(enabled=enabled, **sizes)
+    share = raw.get("key_row_share", OffloadConfig.key_row_share)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
+        raise InfiniteHiPConfigError(
+            f"`{where}.key_row_share`={share!r} must be a number between 0 and 1 (exclusive)"
+        )
+    return OffloadConfig(enabled=enabled, key_row_share=float(share), **sizes)

@@ -97,9 +97,10 @@ def stats_of_impls(impls: list, reset: bool = False) -> dict[str, Any]:
     tier: dict[str, int] = {}
     for plan, n_layers in plans.values():
         gated += n_layers if plan.scratch.gate is not None else 0
-        if plan.bank is not None:
-            for key, value in plan.bank.stats(reset=reset).items():
-                tier[key] = tier.get(key, 0) + value
+        for bank in (plan.bank, plan.key_rows):
+            if bank is not None:
+                for key, value in bank.stats(reset=reset).items():
+                    tier[key] = tier.get(key, 0) + value
         # the builder counts once per step what every layer of its group does
         c = plan.counters
         total.dense_queries += n_layers * c.dense_queries
@@ -125,8 +126,10 @@ def stats_of_impls(impls: list, reset: bool = False) -> dict[str, Any]:
 def tier_ratios(tier: dict[str, int]) -> dict[str, float]:
     """Hit ratios and host traffic of the host tier from its summed counters
     (``block_manager.bank.Bank.stats``): the decode attention's reads split into refresh and
-    reuse steps, the promotions' hits, and bytes read from the host per decode step (all
-    layers: attention reads of pages not in the bank, plus the copies into it)."""
+    reuse steps, the promotions' hits, the pruning stages' probes served by the key-row bank
+    (``hit_ratio_mask``: GPU only, refresh steps only, since only they prune), and bytes read
+    from the host per decode step (all layers: attention reads of pages not in the bank, probes
+    of rows not in the key-row bank, and the copies into both)."""
 
     def ratio(hit: int, miss: int) -> float:
         return hit / (hit + miss) if hit + miss else 0.0
@@ -139,7 +142,10 @@ def tier_ratios(tier: dict[str, int]) -> dict[str, float]:
         "hit_ratio_attn_refresh": ratio(bank_r, host_r),
         "hit_ratio_attn_reuse": ratio(bank_u, host_u),
         "hit_ratio_promote": ratio(tier["promote_hits"], tier["promote_misses"]),
-        "host_bytes_per_step": tier["host_read_bytes"] / steps if steps else 0.0,
+        "hit_ratio_mask": (ratio(tier["key_row_hits"], tier["key_row_misses"])
+                           if "key_row_hits" in tier else None),
+        "host_bytes_per_step": ((tier["host_read_bytes"] + tier.get("key_row_host_bytes", 0))
+                                / steps if steps else 0.0),
     }
 
 

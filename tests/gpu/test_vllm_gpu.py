@@ -131,15 +131,28 @@ def test_dense_prefill_through_flash_attention_equals_the_dense_backend(tmp_path
     assert ours["tokens"] == generate(tmp_path, "FLASH_ATTN", bf16)
 
 
-def test_host_tier_on_and_off_give_the_same_greedy_tokens(tmp_path):
-    """The KV in pinned host memory, a bank of 15 pages per layer (each sparse row reads about
-    50), CUDA graphs on: greedy tokens equal the tier off. CPU twin: tests/test_offload_vllm.py."""
+@pytest.mark.parametrize("bank", ["pages", "pages+key-rows"])
+def test_host_tier_on_and_off_give_the_same_greedy_tokens(tmp_path, bank):
+    """The KV in pinned host memory, CUDA graphs on: greedy tokens equal the tier off.
+    ``pages``: a bank of 15 pages per layer (each sparse row reads about 50), too small for any
+    key rows, so pruning reads through the page bank. ``pages+key-rows``: most of a 16 MiB bank
+    holds the pruning stages' key rows, which later refreshes hit. CPU twin (pages only, the
+    CPU's reference cascade reads every key): tests/test_offload_vllm.py; the key rows' logic
+    on the CPU: tests/test_triton_decode.py."""
     off = generate(tmp_path, "infinitehip", {**GRAPHS, "additional_config": {"infinitehip": SMALL}},
                    max_tokens=24)  # fmt: skip
-    tier = {**SMALL, "offload": {"enabled": True, "host_gib": 1, "bank_gib": 2**-12}}
+    offload = {"enabled": True, "host_gib": 1, "bank_gib": 2**-12}
+    if bank == "pages+key-rows":
+        offload = {**offload, "host_gib": 0.25, "bank_gib": 2**-6, "key_row_share": 0.9}
+    tier = {**SMALL, "offload": offload}
     on = generate(tmp_path, "infinitehip", {**GRAPHS, "additional_config": {"infinitehip": tier}},
                   max_tokens=24)  # fmt: skip
     stats = on["report"]["stats"]
     assert stats["sparse_decode_queries"] > 0
-    assert stats["tier"]["filled_pages"] > 0 and stats["tier"]["attn_host_pages_reuse"] > 0
+    if bank == "pages":
+        assert "key_row_hits" not in stats["tier"]
+        assert stats["tier"]["filled_pages"] > 0 and stats["tier"]["attn_host_pages_reuse"] > 0
+    else:
+        assert stats["tier"]["key_rows_filled"] > 0 and stats["tier"]["key_row_hits"] > 0
+        assert stats["tier"]["hit_ratio_mask"] > 0
     assert on["tokens"] == off["tokens"]
