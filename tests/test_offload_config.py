@@ -504,3 +504,17 @@ def test_preempted_requests_release_and_reacquire_blocks_as_vllm_says(offload_ll
     assert after["blocks"] == {}
     ever_held = {b for r in prompts for b in crowd["held"][r]}
     assert after["released_blocks"] - before >= len(ever_held) > TIER_PAGES // 2
+
+
+def test_key_row_metrics_add_over_ranks_and_reach_the_wire_only_when_a_bank_has_them():
+    from vllm_infinitehip.prometheus import summarize_gauges
+
+    ranks = {"0": {"live_slots": 2, "tier_resident_pages": 3, "tier_bank_slots": 10,
+                   "tier_key_rows_resident": 5, "tier_key_row_slots": 40},
+             "1": {"live_slots": 2, "tier_resident_pages": 4, "tier_bank_slots": 10,
+                   "tier_key_rows_resident": 7, "tier_key_row_slots": 40}}  # fmt: skip
+    assert summarize_gauges(ranks) == {"live_slots": 2, "tier_resident_pages": 7,
+                                       "tier_bank_slots": 20, "tier_key_rows_resident": 12,
+                                       "tier_key_row_slots": 80}  # fmt: skip
+    cpu = {"0": {"live_slots": 0, "tier_resident_pages": 0, "tier_bank_slots": 10}}
+    assert "tier_key_row_slots" not in summarize_gauges(cpu)

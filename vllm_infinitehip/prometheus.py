@@ -84,9 +84,14 @@ def _totals(impls: list, tp_rank: int) -> tuple[dict[str, int], dict[str, int]]:
         for key in ("attn_bank_pages_refresh", "attn_host_pages_refresh", "attn_bank_pages_reuse",
                     "attn_host_pages_reuse", "filled_pages", "promote_hits", "promote_misses"):
             counters[f"tier_{key}"] = tier[key]
-        counters["tier_host_read_bytes"] = tier["host_read_bytes"]
+        counters["tier_host_read_bytes"] = tier["host_read_bytes"] + tier.get("key_row_host_bytes", 0)
         gauges["tier_resident_pages"] = tier["resident_pages"]
         gauges["tier_bank_slots"] = tier["bank_slots"]
+        if "key_row_hits" in tier:  # the pruning stages' key rows (GPU)
+            for key in ("key_row_hits", "key_row_misses", "key_rows_filled"):
+                counters[f"tier_{key}"] = tier[key]
+            gauges["tier_key_rows_resident"] = tier["key_rows_resident"]
+            gauges["tier_key_row_slots"] = tier["key_row_slots"]
     return counters, gauges
 
 
@@ -129,9 +134,10 @@ def summarize_gauges(by_rank: dict[str, dict[str, int]]) -> dict[str, int]:
     out: dict[str, int] = {}
     if ranks:
         out["live_slots"] = max(r.get("live_slots", 0) for r in ranks)
-    if any("tier_bank_slots" in r for r in ranks):
-        out["tier_resident_pages"] = sum(r.get("tier_resident_pages", 0) for r in ranks)
-        out["tier_bank_slots"] = sum(r.get("tier_bank_slots", 0) for r in ranks)
+    for name in ("tier_resident_pages", "tier_bank_slots", "tier_key_rows_resident",
+                 "tier_key_row_slots"):
+        if any(name in r for r in ranks):
+            out[name] = sum(r.get(name, 0) for r in ranks)
     return out
 
 
@@ -277,7 +283,17 @@ class InfiniteHiPPromMetrics(KVConnectorPromMetrics):
             self.tier_filled = counter("tier_filled_pages", "Pages copied into the bank.")
             self.tier_host_bytes = counter("tier_host_read_bytes", "Bytes read from host memory: "
                                            "attention reads of pages not in the bank, plus the "
-                                           "copies into it.")  # fmt: skip
+                                           "copies into it, plus pruning probes of K rows not "
+                                           "in the key-row bank.")  # fmt: skip
+            self.tier_probes = counter("tier_key_row_probes", "Pruning stages' K row probes "
+                                       "(GPU, refresh steps), by where the row was: bank, "
+                                       "host.", ("source",))  # fmt: skip
+            self.tier_rows_filled = counter("tier_key_rows_filled", "K rows copied into the "
+                                            "key-row bank.")  # fmt: skip
+            self.tier_rows_resident = gauge("tier_key_rows_resident", "K rows resident in the "
+                                            "key-row bank now (all layers).")  # fmt: skip
+            self.tier_row_slots = gauge("tier_key_row_slots", "Key-row bank capacity in rows "
+                                        "(all layers).")  # fmt: skip
             self.tier_hit_ratio = gauge("tier_hit_ratio", "Share of sparse decode attention's "
                                         "page reads served from the bank, over the last read "
                                         "window that read any.")  # fmt: skip
@@ -314,6 +330,12 @@ class InfiniteHiPPromMetrics(KVConnectorPromMetrics):
         inc(self.tier_promotions, "tier_promote_misses", "miss")
         inc(self.tier_filled, "tier_filled_pages")
         inc(self.tier_host_bytes, "tier_host_read_bytes")
+        inc(self.tier_probes, "tier_key_row_hits", "bank")
+        inc(self.tier_probes, "tier_key_row_misses", "host")
+        inc(self.tier_rows_filled, "tier_key_rows_filled")
+        if "tier_key_row_slots" in gauges:
+            self.tier_rows_resident.labels(*labels).set(gauges["tier_key_rows_resident"])
+            self.tier_row_slots.labels(*labels).set(gauges["tier_key_row_slots"])
         bank = sum(c.get(f"tier_attn_bank_pages_{s}", 0) for s in ("refresh", "reuse"))
         host = sum(c.get(f"tier_attn_host_pages_{s}", 0) for s in ("refresh", "reuse"))
         if bank + host:
