@@ -39,15 +39,15 @@ MAX_LISTED = 65536
 class KeyRowBank:
     """``layers`` key-row banks of ``num_slots`` rows of ``head_dim`` over a cache of
     ``num_pages`` pages of ``page_size`` tokens and ``kv_heads`` heads; a refresh of a layer
-    promotes at most ``list_length`` rows (default: :data:`MAX_LISTED`, or the bank)."""
+    promotes at most :data:`MAX_LISTED` rows (or the bank's slots, if fewer)."""
 
     def __init__(
         self, layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-        num_slots: int, dtype: torch.dtype, device: torch.device, list_length: int | None = None,
+        num_slots: int, dtype: torch.dtype, device: torch.device,
     ) -> None:  # fmt: skip
         if num_slots < 1:
             raise ValueError(f"a key-row bank needs at least one slot, got {num_slots}")
-        listed = min(num_slots, list_length or MAX_LISTED)
+        listed = min(num_slots, MAX_LISTED)
         self.layers, self.num_pages, self.num_slots = layers, num_pages, num_slots
         self.rows_per_page = page_size * kv_heads
         n_rows = num_pages * self.rows_per_page
@@ -59,7 +59,8 @@ class KeyRowBank:
         self.missed_rows = torch.zeros(layers, listed, head_dim, dtype=dtype, device=device)
         self.state = torch.zeros(layers, 5, dtype=torch.int64, device=device)
         self.row_bytes = head_dim * self.rows.element_size()
-        self._write_rows = torch.arange(kv_heads, device=device)
+        self._heads = torch.arange(kv_heads, device=device)
+        self.write_columns = torch.empty(0, dtype=torch.int64, device=device)
 
     @staticmethod
     def bytes_per_slot(head_dim: int, dtype: torch.dtype) -> int:
@@ -103,17 +104,32 @@ class KeyRowBank:
         r = (r + torch.arange(self.rows_per_page, device=r.device)).view(-1)
         self.table.index_fill_(1, r, ABSENT)
 
-    def written_rows(self, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """The table columns of the rows a step writes (every KV head of each written token;
-        padding slots map to the spare column)."""
-        h = self._write_rows.numel()
-        r = slot_mapping.long().view(-1, 1) * h + self._write_rows
+    # ------------------------------------------------------------------ per step
+    def allocate_plan(self, max_tokens: int) -> None:
+        """The persistent buffer a captured graph reads (rewritten every step): the table
+        columns of the rows the step writes."""
         spare = self.table.shape[1] - 1
-        return torch.where(slot_mapping.view(-1, 1) >= 0, r, spare).view(-1)
+        self.write_columns = torch.full((max_tokens * self._heads.numel(),), spare,
+                                        dtype=torch.int64, device=self.table.device)  # fmt: skip
 
-    def forget_writes(self, layer: int, columns: torch.Tensor) -> None:
-        """A layer's written rows (:meth:`written_rows`) leave its table: the cache now holds
-        what the bank's copy may not. Fixed shape: inside the step's graph."""
+    def plan_writes(self, slot_mapping: torch.Tensor | None) -> None:
+        """Once per step, for every layer: the table columns of the rows the step writes
+        (every KV head of each written token); padding, and everything at capture (``None``),
+        maps to the spare column."""
+        spare = self.table.shape[1] - 1
+        if slot_mapping is None:
+            self.write_columns.fill_(spare)
+            return
+        r = slot_mapping.long().view(-1, 1) * self._heads.numel() + self._heads
+        columns = torch.where(slot_mapping.view(-1, 1) >= 0, r, spare).view(-1)
+        self.write_columns[: columns.numel()] = columns
+        self.write_columns[columns.numel() :] = spare
+
+    def forget_writes(self, layer: int, n_tokens: int) -> None:
+        """The rows the step's first ``n_tokens`` write (:meth:`plan_writes`) leave the
+        layer's table: the cache now holds what the bank's copy may not. Fixed shape: inside
+        the step's graph."""
+        columns = self.write_columns[: n_tokens * self._heads.numel()]
         self.table[layer].index_fill_(0, columns, ABSENT)
 
     # ------------------------------------------------------------------ introspection

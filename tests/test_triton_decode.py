@@ -228,17 +228,40 @@ def test_decode_attention_through_slots_equals_reference(streaming):
     assert stats.tolist() == [budget, 1500 + 2900]
 
 
+# the host-tier tests' shapes: query heads, KV heads, head_dim, page size; three rows
+TIER_HQ, TIER_HKV, TIER_D, TIER_PAGE = 4, 2, 32, 16
+TIER_SEQ_LENS = [1500, 2900, 700]
+
+
+def tier_rows(seed: int, rope_style: str | None):
+    """``(gen, cache, table, refresh)`` of the host-tier tests: a paged cache of three rows and
+    ``refresh(kv, **banks)``, the masks of a full refresh of every row reading ``kv`` through
+    the given ``bank`` / ``key_rows``."""
+    gen = torch.Generator().manual_seed(seed)
+    rope = rope_plan(rope_style, TIER_D)
+    params = small_params(rope)
+    cache, table, q = batch(TIER_SEQ_LENS, TIER_HQ, TIER_HKV, TIER_D, TIER_PAGE, gen)
+    cache, q = cache.to(DEVICE), q.to(DEVICE)
+    device = torch.device(DEVICE)
+    placement = None
+    if rope is not None:
+        placement = td.QueryPlacement.build(rope_style, rope.table, params.scan_window, device)
+
+    def refresh(kv, **banks):
+        masks = dec.DecodeMasks.allocate(params, 64, 4, device)
+        scores = dec.allocate_scores(dec.stage_widths(params, 3000), 4, device)
+        rows = rows_on(DEVICE, table, TIER_SEQ_LENS, [0, 1, 2], [0, 0, 0])
+        td.refresh_masks(params, masks, q, kv, rows, TIER_D**-0.5, scores, placement, **banks)
+        return masks
+
+    return gen, cache, table, refresh
+
+
 @pytest.mark.parametrize("rope_style", [None, "chunk-indexed"])
 def test_cascade_reads_resident_pages_from_the_bank(rope_style):
     """The host tier's GPU cache: with the host's copies of the bank's pages poisoned, the
     cascade through the bank stores exactly the masks it stores reading the cache alone."""
-    gen = torch.Generator().manual_seed(21)
-    hq, hkv, d, page = 4, 2, 32, 16
-    rope = rope_plan(rope_style, d)
-    params = small_params(rope)
-    seq_lens = [1500, 2900, 700]
-    cache, table, q = batch(seq_lens, hq, hkv, d, page, gen)
-    cache, q = cache.to(DEVICE), q.to(DEVICE)
+    gen, cache, _, masks_from = tier_rows(21, rope_style)
     n_pages = cache.shape[0]
     resident = torch.randperm(n_pages, generator=gen)[: n_pages // 2].to(DEVICE)
     slots_of = torch.randperm(n_pages // 2 + 1, generator=gen)[: n_pages // 2].to(DEVICE)
@@ -248,20 +271,9 @@ def test_cascade_reads_resident_pages_from_the_bank(rope_style):
     residency[resident] = slots_of.int()
     poisoned = cache.clone()
     poisoned[resident] = float("nan")
-    placement = None
-    if rope is not None:
-        placement = td.QueryPlacement.build(rope_style, rope.table, params.scan_window,
-                                            torch.device(DEVICE))  # fmt: skip
-
-    def masks_from(kv, bank=None):
-        masks = dec.DecodeMasks.allocate(params, 64, 4, torch.device(DEVICE))
-        scores = dec.allocate_scores(dec.stage_widths(params, 3000), 4, torch.device(DEVICE))
-        rows = rows_on(DEVICE, table, seq_lens, [0, 1, 2], [0, 0, 0])
-        td.refresh_masks(params, masks, q, kv, rows, d**-0.5, scores, placement, bank=bank)
-        return masks
 
     want = masks_from(cache)
-    assert_masks_equal(masks_from(poisoned, (pages, residency)), want, [0, 1, 2])
+    assert_masks_equal(masks_from(poisoned, bank=(pages, residency)), want, [0, 1, 2])
     with pytest.raises(AssertionError):  # the poisoned pages are probed
         assert_masks_equal(masks_from(poisoned), want, [0, 1, 2])
 
@@ -436,7 +448,7 @@ def _key_rows_consistent(bank, cache: torch.Tensor) -> int:
     return resident.numel()
 
 
-def test_key_row_bank_lists_misses_promotes_them_and_serves_the_next_refresh(rope_style=None):
+def test_key_row_bank_lists_misses_promotes_them_and_serves_the_next_refresh():
     """The host tier's cache for the pruning stages: a refresh through an empty key-row bank
     stores the masks it stores without one, lists what it read, and promotes exactly those
     rows; the next refresh reads every probe from the bank (its rows poisoned in the cache,
@@ -445,30 +457,14 @@ def test_key_row_bank_lists_misses_promotes_them_and_serves_the_next_refresh(rop
     from vllm_infinitehip.block_manager.key_rows import ABSENT, KeyRowBank
     from vllm_infinitehip.kernels import triton_bank
 
-    gen = torch.Generator().manual_seed(33)
-    hq, hkv, d, page = 4, 2, 32, 16
-    rope = rope_plan(rope_style, d)
-    params = small_params(rope)
-    seq_lens = [1500, 2900, 700]
-    cache, table, q = batch(seq_lens, hq, hkv, d, page, gen)
-    cache, q = cache.to(DEVICE), q.to(DEVICE)
+    gen, cache, _, refresh = tier_rows(33, None)
+    hkv, d, page = TIER_HKV, TIER_D, TIER_PAGE
     device = torch.device(DEVICE)
-    placement = None
-    if rope is not None:
-        placement = td.QueryPlacement.build(rope_style, rope.table, params.scan_window, device)
-
-    def refresh(kv, key_rows=None):
-        masks = dec.DecodeMasks.allocate(params, 64, 4, device)
-        scores = dec.allocate_scores(dec.stage_widths(params, 3000), 4, device)
-        rows = rows_on(DEVICE, table, seq_lens, [0, 1, 2], [0, 0, 0])
-        td.refresh_masks(params, masks, q, kv, rows, d**-0.5, scores, placement,
-                         key_rows=key_rows)  # fmt: skip
-        return masks
 
     want = refresh(cache)
     n_pages = cache.shape[0]
     big = KeyRowBank(1, n_pages, page, hkv, d, n_pages * page * hkv, cache.dtype, device)
-    assert_masks_equal(refresh(cache, big.layer(0)), want, [0, 1, 2])
+    assert_masks_equal(refresh(cache, key_rows=big.layer(0)), want, [0, 1, 2])
     hits, misses, filled = big.state[0, 2:].tolist()
     resident = _key_rows_consistent(big, cache)
     assert hits == 0 and misses >= resident > 100 and filled == resident
@@ -479,7 +475,7 @@ def test_key_row_bank_lists_misses_promotes_them_and_serves_the_next_refresh(rop
     per_page = page * hkv
     poisoned[r // per_page, 0, (r % per_page) // hkv, r % hkv] = float("nan")
     big.state[0, 2:] = 0
-    assert_masks_equal(refresh(poisoned, big.layer(0)), want, [0, 1, 2])
+    assert_masks_equal(refresh(poisoned, key_rows=big.layer(0)), want, [0, 1, 2])
     assert big.state[0, 3:].tolist() == [0, 0] and big.state[0, 2].item() >= resident
     assert _key_rows_consistent(big, cache) == resident
     with pytest.raises(AssertionError):  # the poisoned rows are probed
@@ -488,7 +484,7 @@ def test_key_row_bank_lists_misses_promotes_them_and_serves_the_next_refresh(rop
     # too small: more misses than slots; the list's overflow is absent again, not stuck
     small = KeyRowBank(1, n_pages, page, hkv, d, 64, cache.dtype, device)
     for _ in range(2):
-        assert_masks_equal(refresh(cache, small.layer(0)), want, [0, 1, 2])
+        assert_masks_equal(refresh(cache, key_rows=small.layer(0)), want, [0, 1, 2])
         assert _key_rows_consistent(small, cache) == 64
     assert small.state[0, 1].item() == 0  # two full turns of the ring
 
@@ -510,8 +506,14 @@ def test_key_row_bank_lists_misses_promotes_them_and_serves_the_next_refresh(rop
     assert small.missed.shape[1] == 64
     assert _key_rows_consistent(small, cache) == 50
 
-    # rows of freed pages and written rows leave the table
-    small.invalidate(torch.unique(listed.long() // (page * hkv))[:3])
-    small.forget_writes(0, small.written_rows(torch.tensor([-1, 5], device=device)))
+    # the rows of a written token (every KV head) leave the table, and so do freed pages' rows
+    written = int(listed[0])
+    small.allocate_plan(4)
+    small.plan_writes(torch.tensor([-1, written // hkv], device=device))  # a padding slot too
+    small.forget_writes(0, 2)
+    assert int(small.table[0, written]) == ABSENT
+    after_write = _key_rows_consistent(small, cache)
+    assert after_write < 50
+    small.invalidate(torch.unique(listed[1:].long() // (page * hkv))[:3])
     left = _key_rows_consistent(small, cache)
-    assert left < 50 and int(small.occupancy()[0]) == left
+    assert left < after_write and int(small.occupancy()[0]) == left

@@ -239,9 +239,8 @@ class StepPlan:
     # the host tier's GPU bank of this group (offload on), and each layer's index in it
     bank: Bank | None = None
     bank_layers: dict[str, int] = field(default_factory=dict)
-    # the pruning stages' key rows (GPU), and the table columns of the rows the step writes
+    # the pruning stages' key rows (GPU)
     key_rows: KeyRowBank | None = None
-    key_row_writes: torch.Tensor | None = None
     staging: PrefillStaging | None = None
     # how many planned fill entries this step's layers scan (set by the builder): the decode
     # rows' share of the plan, not its capacity, since every entry is a program even when empty
@@ -386,24 +385,16 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         plan.bank.allocate_plan(vllm_config.scheduler_config.max_num_seqs * per_row, max_tokens)
         if plan.key_rows is not None:
-            spare = plan.key_rows.table.shape[1] - 1
-            plan.key_row_writes = torch.full((max_tokens * spec.num_kv_heads,), spare,
-                                             dtype=torch.int64, device=device)  # fmt: skip
+            plan.key_rows.allocate_plan(max_tokens)
 
     def _plan_tier(self, m: CommonAttentionMetadata, num_decodes: int, capture: bool) -> None:
         """The step's bank work for every layer (eager, before the step's graph): promotions
         for the decode rows, and where each written token goes in the bank."""
         bank = self.plan.bank
-        writes = self.plan.key_row_writes
-        if writes is not None:
-            n = m.num_actual_tokens
-            columns = self.plan.key_rows.written_rows(m.slot_mapping[:n]) if not capture else None
-            spare = self.plan.key_rows.table.shape[1] - 1
-            if columns is None:
-                writes.fill_(spare)
-            else:
-                writes[: columns.numel()] = columns
-                writes[columns.numel() :] = spare
+        if self.plan.key_rows is not None:
+            self.plan.key_rows.plan_writes(
+                None if capture else m.slot_mapping[: m.num_actual_tokens]
+            )
         if capture:  # the graph must hold the layers' copies; nothing to copy at capture
             bank.clear_fills()
             bank.write_slots.fill_(-1)
@@ -798,9 +789,8 @@ class InfiniteHiPImpl(AttentionImpl):
                 fill_entries=plan.bank_fill_entries,
             )  # fmt: skip
             if plan.key_rows is not None:
-                n = slot_mapping.shape[0] * kv_cache.shape[3]  # every KV head of each token
                 plan.key_rows.forget_writes(plan.bank_layers[layer.layer_name],
-                                            plan.key_row_writes[:n])  # fmt: skip
+                                            slot_mapping.shape[0])  # fmt: skip
 
     def _write_kv(
         self, layer: AttentionLayer, key: torch.Tensor, value: torch.Tensor,
@@ -873,10 +863,10 @@ class InfiniteHiPImpl(AttentionImpl):
         self, ops: AttentionOps, plan: PrefillPlan, q: torch.Tensor, out: torch.Tensor,
         kv_cache: torch.Tensor, block_table: torch.Tensor,
     ) -> None:  # fmt: skip
-        """The step's prefill chunks as planned, batch by batch (staged first where the host
-        tier stages it): one dense call, then one cascade and one attention launch per kind of
-        part. Each chunk's last query block uses
-        the tail window, and its final query (the next token's) may be pruned alone
+        """The step's prefill chunks as planned, batch by batch (with the host tier, each staged
+        chunk is a batch of its own, read from its GPU copy): one dense call, then one cascade
+        and one attention launch per kind of part. Each chunk's last query block uses the tail
+        window, and its final query (the next token's) may be pruned alone
         (``prefill_final_query_own_mask``)."""
         scales = self._kv_scales
         for batch in plan.batches:
