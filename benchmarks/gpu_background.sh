@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# A device run longer than one call's 10 minutes (shared/device/README.md): a process started in
+# its own session outlives the call that started it, and back-to-back calls keep the machine.
+#   run(command="bash benchmarks/gpu_background.sh start 'CMD; CMD ...'")  starts; waits until 560 s
+#   run(command="bash benchmarks/gpu_background.sh wait")                  waits until 560 s more
+# The commands run from a copy of this checkout in /root/bg/src with gpu_env.sh sourced, and write
+# their results to /root/bg/out (given to them as $RESULTS); every call copies that folder and
+# the log to $OUT.
+set -uo pipefail
+BG=/root/bg
+what=$1; shift
+if [ "$what" = start ]; then
+  source "$(dirname "$0")/gpu_env.sh" > /dev/null 2>&1
+  rm -rf "$BG" && mkdir -p "$BG/out" && cp -r . "$BG/src"
+  cd "$BG/src" && RESULTS="$BG/out" setsid nohup bash -c \
+    "source benchmarks/gpu_env.sh > /dev/null 2>&1; $1; echo \"exit \$?\" > $BG/done" \
+    > "$BG/log" 2>&1 < /dev/null &
+fi
+while [ ! -f "$BG/done" ] && [ "$SECONDS" -lt 560 ]; do sleep 5; done  # the call ends at 600 s
+cp -r "$BG/out/." "$BG/log" "${OUT:-/tmp}/" 2>/dev/null
+grep -E "^\[|^\||Error|error|exit" "$BG/log" | grep -vE "^(INFO|WARNING|DEBUG)" | tail -40
+[ -f "$BG/done" ] && cat "$BG/done" || echo "still running"
