@@ -108,6 +108,22 @@ def test_tail_window_fills_the_trained_length_with_the_final_budget():
     assert InfiniteHiPConfig.from_user({"prefill_tail_window": 3000}).tail_window(8192) == 3000
 
 
+def test_spans_past_the_trained_length_are_named_per_kind_of_layer():
+    # defaults: sink 256, window 1024, kept 2048 (4096 in dense_layers), b_q 64
+    assert InfiniteHiPConfig.from_user({}).spans_past_trained(8192) == []
+    wide = InfiniteHiPConfig.from_user({"window_tokens": 4096}).spans_past_trained(8192)
+    assert wide == [("dense_layers: sink_tokens 256 + kept 4096 + window_tokens 4096 + "
+                     "block_size_q 64 - 1 = 8511")]
+    kept = InfiniteHiPConfig.from_user({"dense_layer_keep_tokens": 8192})
+    assert [line.split(":")[0] for line in kept.spans_past_trained(8192)] == ["dense_layers"]
+    assert [line.split(":")[0] for line in kept.spans_past_trained(3000)] == [
+        "layers", "dense_layers"]
+    no_dense = InfiniteHiPConfig.from_user({"dense_layers": []})
+    assert no_dense.spans_past_trained(3391) == []
+    assert no_dense.spans_past_trained(3390) == [
+        "layers: sink_tokens 256 + kept 2048 + window_tokens 1024 + block_size_q 64 - 1 = 3391"]
+
+
 def test_prefill_dense_threshold_rule():
     from vllm_infinitehip.config import CPU_DENSE_PREFILL_CROSSOVER, DENSE_PREFILL_CROSSOVER
 

@@ -314,6 +314,14 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         self.threshold = self.config.effective_dense_threshold
         trained, extension = trained_and_extension(self.config, vllm_config.model_config)
         self._trained = trained
+        past = self.config.spans_past_trained(trained) if extension else []
+        if past:
+            # SmolLM2 (trained 8K) at 32K-64K: 8 of 12 passkeys with the defaults, 0 of 12 with
+            # either budget raised past 8K (README, passkey-settings-gpu-2026-12-03)
+            logger.warning_once(
+                "InfiniteHiP: RoPE extension is on, and a query's reach exceeds the trained "
+                "length %d (%s): those layers see distances the model never saw. Lower "
+                "window_tokens or the kept budgets.", trained, "; ".join(past))
         max_rows = vllm_config.scheduler_config.max_num_seqs
         max_len = vllm_config.model_config.max_model_len
         params = {name: layer_prune_params(self.config, _layer_index(name)) for name in layer_names}

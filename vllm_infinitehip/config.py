@@ -220,6 +220,25 @@ class InfiniteHiPConfig:
             return max(self.window_tokens, auto - self.stages[-1].block_size_q)
         return max(self.window_tokens, int(self.prefill_tail_window))
 
+    def spans_past_trained(self, trained_context: int) -> list[str]:
+        """Where a query's reach exceeds the trained length under RoPE extension, one line per
+        kind of layer. Block-sparse attention (§2) lays the sink and the kept blocks out just
+        left of the window, so a prefill block's first query sees sink + kept + window + the
+        block's other queries; past the trained length those are distances the model never saw.
+        The prefill tail's window is left out: ``"auto"`` sizes it for the common budget, and
+        ``dense_layers`` reach past it by the authors' design (``prefill_tail_window``)."""
+        bq = self.stages[-1].block_size_q
+        kinds = [("layers", self.final_keep_tokens)]
+        if self.dense_layers:
+            kinds.append(("dense_layers", self.final_keep_for_layer(self.dense_layers[0])))
+        out = []
+        for name, keep in kinds:
+            span = self.sink_tokens + keep + self.window_tokens + bq - 1
+            if span > trained_context:
+                out.append(f"{name}: sink_tokens {self.sink_tokens} + kept {keep} + "
+                           f"window_tokens {self.window_tokens} + block_size_q {bq} - 1 = {span}")
+        return out
+
     def final_keep_for_layer(self, layer_index: int) -> int:
         if layer_index in self.dense_layers:
             return max(self.dense_layer_keep_tokens, self.final_keep_tokens)
