@@ -3,7 +3,7 @@
 # its own session outlives the call that started it, and back-to-back calls keep the machine.
 #   run(command="bash benchmarks/gpu_background.sh start 'CMD; CMD ...'")  starts; waits until 560 s
 #   run(command="bash benchmarks/gpu_background.sh wait")                  waits until 560 s more
-# The commands run from a copy of this checkout in /root/bg/src with gpu_env.sh sourced, and write
+# The commands run from a copy of this checkout in /root/bg/src in gpu_env.sh's environment, and write
 # their results to /root/bg/out (given to them as $RESULTS); every call copies that folder and
 # the log to $OUT.
 set -uo pipefail
@@ -12,8 +12,8 @@ what=$1; shift
 if [ "$what" = start ]; then
   source "$(dirname "$0")/gpu_env.sh" > /dev/null 2>&1
   rm -rf "$BG" && mkdir -p "$BG/out" && cp -r . "$BG/src"
-  cd "$BG/src" && RESULTS="$BG/out" setsid nohup bash -c \
-    "source benchmarks/gpu_env.sh > /dev/null 2>&1; $1; echo \"exit \$?\" > $BG/done" \
+  # the session inherits gpu_env.sh's exported environment: its installs run once
+  cd "$BG/src" && RESULTS="$BG/out" setsid nohup bash -c "$1; echo \"exit \$?\" > $BG/done" \
     > "$BG/log" 2>&1 < /dev/null &
 fi
 while [ ! -f "$BG/done" ] && [ "$SECONDS" -lt 560 ]; do sleep 5; done  # the call ends at 600 s
