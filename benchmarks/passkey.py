@@ -47,15 +47,18 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 MODELS = {"smollm2-135m": ("smollm2_135m", False), "qwen2.5-coder-0.5b": ("qwen25_coder_05b", True)}
 
 
-def engine_kwargs(backend: str, max_len: int, device: str, hip: dict) -> dict:
+def engine_kwargs(backend: str, max_len: int, device: str, hip: dict,
+                  gpu_memory_utilization: float = 0.15) -> dict:
     kw: dict = dict(max_model_len=max_len, max_num_seqs=1, max_num_batched_tokens=8192)
     if device == "cpu":
         kw.update(dtype="float32", enforce_eager=True, compilation_config={"mode": 0},
                   kv_cache_memory_bytes=4 << 30)
     else:
-        # bf16: vLLM's default GPU backend (FlashAttention) has no fp32 kernels. 0.15 of the GPU
-        # each: an engine deleted in-process does not hand all its memory back.
-        kw.update(dtype="bfloat16", gpu_memory_utilization=0.15, max_num_batched_tokens=16384)
+        # bf16: vLLM's default GPU backend (FlashAttention) has no fp32 kernels. A share of the
+        # GPU each (0.15 by default): an engine deleted in-process does not hand all its memory
+        # back, and runs side by side share one GPU.
+        kw.update(dtype="bfloat16", gpu_memory_utilization=gpu_memory_utilization,
+                  max_num_batched_tokens=16384)
     if backend == "infinitehip":
         kw.update(attention_backend="infinitehip", additional_config={"infinitehip": hip})
     else:
@@ -148,7 +151,8 @@ def dump_rows(head: dict, rows: list[dict]) -> str:
 
 
 def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip: dict,
-                results: Results, deadline: float, ops: str, log_recall: bool = True) -> None:
+                results: Results, deadline: float, ops: str, log_recall: bool = True,
+                gpu_memory_utilization: float = 0.15) -> None:
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
@@ -157,7 +161,7 @@ def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip:
     name = "infinitehip" if backend == "infinitehip" else "default"
     comparing = install(ops) if name == "infinitehip" else None
     path = execution_path(ops, device) if name == "infinitehip" else ""
-    llm = LLM(model, **engine_kwargs(backend, max_len, device, hip))
+    llm = LLM(model, **engine_kwargs(backend, max_len, device, hip, gpu_memory_utilization))
     config = json.dumps(hip, sort_keys=True) if name == "infinitehip" else ""
     params = SamplingParams(temperature=0, max_tokens=8)
     for context, depth, prompt in tqdm(cells, desc=name, unit="prompt"):
@@ -257,6 +261,8 @@ def main() -> int:
                         "the PyTorch reference, or both compared call by call (compare_ops.py)")
     parser.add_argument("--time-budget", type=float, default=float("inf"),
                         help="seconds; prompts not started by then are skipped")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.15,
+                        help="each engine's share of the GPU (smaller: runs side by side)")
     parser.add_argument("--no-recall", dest="recall", action="store_false",
                         help="skip the recall logging (its dense reference costs time): for timing")
     args = parser.parse_args()
@@ -285,7 +291,7 @@ def main() -> int:
     for backend in args.backends:
         for hip in args.infinitehip if backend == "infinitehip" else ["{}"]:
             run_backend(model, backend, cells, max_len, device, json.loads(hip), results,
-                        deadline, args.ops, args.recall)
+                        deadline, args.ops, args.recall, args.gpu_memory_utilization)
     print_tables(results, sorted(args.lengths), args.depths)
     from plot import plot_passkey, plot_recall  # benchmarks/plot.py, beside this file
 

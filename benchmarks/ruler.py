@@ -256,6 +256,20 @@ def generate(task: str, model: str, context: int, n: int, chat: bool, seed: int 
     return samples
 
 
+def tokenizer_key(model: str) -> str:
+    """What the samples depend on in ``model``: how its tokenizer and chat template turn text into
+    tokens (a probe's ids), not where it lies or how its files are serialized, so samples
+    generated on one machine serve the same model on another (a device run)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    probe = "The special magic number for 3-tiered-oak is: 7241. Answer: \u00e9\u4e2d \n\t 1234567"
+    ids = [len(tok), tok.encode(probe)]
+    if tok.chat_template:
+        ids.append(tok.encode(render(tok, True, probe, "")))
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:8]
+
+
 def generate_cached(task: str, model: str, context: int, n: int, chat: bool, seed: int,
                     cache: Path | None) -> list[Sample]:
     """:func:`generate`, kept in ``cache`` by model, RULER release, mode, task, length, n, seed."""
@@ -263,7 +277,7 @@ def generate_cached(task: str, model: str, context: int, n: int, chat: bool, see
         return generate(task, model, context, n, chat, seed)
     from importlib.metadata import version
 
-    key = hashlib.sha256(str(Path(model).resolve()).encode()).hexdigest()[:8]
+    key = tokenizer_key(model)
     path = (cache / f"{Path(model).name}-{key}" / f"ruler-{version(RULER_DIST)}"
             / ("chat" if chat else "base") / f"{task}-{context}-n{n}-seed{seed}.jsonl")
     if path.exists():
@@ -485,7 +499,8 @@ def run_samples(llm, samples: list[Sample]) -> list[str]:
 
 
 def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip: dict, ops: str,
-                batch: int, results: Results, deadline: float, on_cell=None) -> None:
+                batch: int, results: Results, deadline: float, on_cell=None,
+                gpu_memory_utilization: float = 0.15) -> None:
     from compare_ops import install  # benchmarks/compare_ops.py, beside this file
     from tqdm import tqdm
     from vllm import LLM
@@ -498,7 +513,7 @@ def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip:
         install(ops)
     path = passkey.execution_path(ops, device) if name == "infinitehip" else ""
     config = json.dumps(hip, sort_keys=True) if name == "infinitehip" else ""
-    kw = passkey.engine_kwargs(backend, max_len, device, hip)
+    kw = passkey.engine_kwargs(backend, max_len, device, hip, gpu_memory_utilization)
     kw["max_num_seqs"] = batch
     llm = LLM(model, **kw)
     bar = tqdm(total=sum(len(s) for _, s in cells), desc=name, unit="sample")
@@ -553,6 +568,10 @@ def main() -> int:
                         help="processes generating samples; default half the cores")
     parser.add_argument("--cache", default=str(ROOT / ".cache" / "ruler"),
                         help="generated samples are kept here ('' : not kept)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.15,
+                        help="each engine's share of the GPU (smaller: runs side by side)")
+    parser.add_argument("--generate-only", action="store_true",
+                        help="fill --cache and stop (samples made here, run on a GPU machine)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--time-budget", type=float, default=float("inf"),
                         help="seconds; sample batches not started by then are skipped")
@@ -584,6 +603,9 @@ def main() -> int:
     workers = args.gen_workers or max(1, min(len(jobs), (os.cpu_count() or 2) // 2))
     made = generate_all(jobs, model, args.n, chat, args.seed,
                         Path(args.cache) if args.cache else None, workers)
+    if args.generate_only:
+        print(f"{sum(map(len, made.values()))} samples in {args.cache}")
+        return 0
     cells = [(job, made[job]) for job in jobs]
     max_len = max(s.tokens for _, samples in cells for s in samples) + 512
     results = Results(Path(args.out), args.device, gpu, args.model, trained)
@@ -592,7 +614,8 @@ def main() -> int:
             for hip in args.infinitehip if backend == "infinitehip" else ["{}"]:
                 run_backend(model, backend, cells, max_len, args.device, json.loads(hip),
                             args.ops, batch, results, deadline,
-                            on_cell=lambda: write_outputs(results))
+                            on_cell=lambda: write_outputs(results),
+                            gpu_memory_utilization=args.gpu_memory_utilization)
     finally:
         write_outputs(results)
         if results.paths["ruler"].exists():
