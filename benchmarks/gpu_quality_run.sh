@@ -16,11 +16,12 @@ smol="python3 benchmarks/passkey.py $dirs --lengths 32768 65536 --gpu-memory-uti
 qwen="python3 benchmarks/passkey.py --model qwen2.5-coder-0.5b $dirs"
 runs=(
   ruler-4x "$ruler --lengths 131072 --backends infinitehip --gpu-memory-utilization 0.16"
-  ruler-1x2x "$ruler --lengths 32768 65536 --backends infinitehip --gpu-memory-utilization 0.12"
-  ruler-default "$ruler --lengths 32768 65536 131072 --backends default --gpu-memory-utilization 0.16"
+  ruler-1x2x "$ruler --lengths 32768 65536 --backends infinitehip --gpu-memory-utilization 0.1"
+  ruler-default "$ruler --lengths 32768 65536 131072 --backends default --gpu-memory-utilization 0.14"
   qwen-8x "$qwen --lengths 262144 --gpu-memory-utilization 0.1"
-  smol-a "$smol --infinitehip '{}' '{\"window_tokens\": 2048}' '{\"dense_layer_keep_tokens\": 3072}' '{\"prefill_tail_window\": 3776}'"
-  smol-b "$smol --infinitehip '{\"rope_pruning\": \"relative\"}' '{\"rope_pruning\": \"chunk-indexed\"}' '{\"preset\": \"5k\"}'"
+  smol-a "$smol --infinitehip '{}' '{\"window_tokens\": 2048}' '{\"dense_layer_keep_tokens\": 3072}'"
+  smol-b "$smol --infinitehip '{\"prefill_tail_window\": 3776}' '{\"rope_pruning\": \"relative\"}' '{\"rope_pruning\": \"chunk-indexed\"}'"
+  smol-c "$smol --infinitehip '{\"preset\": \"5k\"}' '{\"window_tokens\": 4096, \"dense_layer_keep_tokens\": 2048}'"
   qwen-1x-4x "$qwen --lengths 32768 65536 131072 --gpu-memory-utilization 0.08"
   recall "python3 benchmarks/passkey.py --backends infinitehip --lengths 16384 32768 65536 --depths 0.5 --n 1 --gpu-memory-utilization 0.06 --out \$RESULTS/recall; python3 benchmarks/passkey.py --model qwen2.5-coder-0.5b --backends infinitehip --lengths 65536 131072 262144 --depths 0.5 --n 1 --gpu-memory-utilization 0.1"
 )
