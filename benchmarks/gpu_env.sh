@@ -6,6 +6,10 @@ export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_USE_FLASHINF
        HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 OUTDIR=${OUT:-benchmarks/results}
 BUNDLE=${VLLM_BUNDLE:-/root/b}
+# the pieces benchmarks/gpu_pack.sh cut, carried to /root/p call by call: one tar stream
+if ls /root/p/piece.* > /dev/null 2>&1; then
+  mkdir -p "$BUNDLE" && cat /root/p/piece.* | tar -xf - -C "$BUNDLE" && rm -rf /root/p
+fi
 if [ -f "$BUNDLE/install.sh" ] && ! PYTHONPATH=/tmp/site python3 -c "import vllm" 2>/dev/null; then
   bash "$BUNDLE/install.sh" "$BUNDLE" /tmp/site > /tmp/install.log 2>&1 \
     || { echo "vLLM bundle install failed:"; tail -5 /tmp/install.log; }

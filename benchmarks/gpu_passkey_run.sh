@@ -1,13 +1,9 @@
 #!/usr/bin/env bash
-# A later device call of an accuracy run (shared/device/README.md): the vLLM bundle is in /root/b,
-# and the models' GGUFs arrive in pieces beside it (benchmarks/gpu_models.sh says which), each
-# call's carry within 64 MiB with the tree:
-#     run(carry=[".bundle/s1"], command="mkdir -p /root/b && cp -r .bundle/s1/. /root/b/")
-#     run(carry=[".bundle/s2"], command="cp -r .bundle/s2/. /root/b/")
-#     run(carry=[".bundle/s3"], command="cp .bundle/s3/* /root/b/")
-#     (Qwen: run(carry=[".bundle/qN"], command="cp .bundle/qN/* /root/b/") for N in 0..7)
-#     run(carry=[".whl"], command="bash benchmarks/gpu_passkey_run.sh --lengths ...")
-# Rebuilds the models whose pieces are there and runs the passkey harness with the arguments given.
+# The last device call of an accuracy run (shared/device/README.md), after the pieces of
+# `bash benchmarks/gpu_pack.sh smollm2 qwen` arrived call by call (that script says how):
+#     run(carry=[".bundle/pack/NN", ".whl"], command="cp .bundle/pack/NN/* /root/p/ && bash benchmarks/gpu_passkey_run.sh --lengths ...")
+# Builds the models packed (benchmarks/gpu_models.sh) and runs the passkey harness with the
+# arguments given.
 # Results accumulate in /root/passkey-results across calls (one file per day, rows of every model)
 # and are copied to $OUT after each run.
 set -uo pipefail

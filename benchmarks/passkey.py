@@ -48,17 +48,19 @@ MODELS = {"smollm2-135m": ("smollm2_135m", False), "qwen2.5-coder-0.5b": ("qwen2
 
 
 def engine_kwargs(backend: str, max_len: int, device: str, hip: dict,
-                  gpu_memory_utilization: float = 0.15) -> dict:
+                  kv_cache_gib: float | None = None) -> dict:
     kw: dict = dict(max_model_len=max_len, max_num_seqs=1, max_num_batched_tokens=8192)
     if device == "cpu":
         kw.update(dtype="float32", enforce_eager=True, compilation_config={"mode": 0},
                   kv_cache_memory_bytes=4 << 30)
     else:
-        # bf16: vLLM's default GPU backend (FlashAttention) has no fp32 kernels. A share of the
-        # GPU each (0.15 by default): an engine deleted in-process does not hand all its memory
-        # back, and runs side by side share one GPU.
-        kw.update(dtype="bfloat16", gpu_memory_utilization=gpu_memory_utilization,
-                  max_num_batched_tokens=16384)
+        # bf16: vLLM's default GPU backend (FlashAttention) has no fp32 kernels. 0.15 of the GPU
+        # each, or a fixed KV cache (runs side by side on one GPU: vLLM's profiling counts the
+        # device's free memory, so a neighbour's allocations would be charged to this engine;
+        # the 0.02 is only what its startup check asks to be free).
+        kw.update(dtype="bfloat16", max_num_batched_tokens=16384, gpu_memory_utilization=0.15)
+        if kv_cache_gib:
+            kw.update(kv_cache_memory_bytes=int(kv_cache_gib * 2**30), gpu_memory_utilization=0.02)
     if backend == "infinitehip":
         kw.update(attention_backend="infinitehip", additional_config={"infinitehip": hip})
     else:
@@ -152,7 +154,7 @@ def dump_rows(head: dict, rows: list[dict]) -> str:
 
 def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip: dict,
                 results: Results, deadline: float, ops: str, log_recall: bool = True,
-                gpu_memory_utilization: float = 0.15) -> None:
+                kv_cache_gib: float | None = None) -> None:
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
 
@@ -161,7 +163,7 @@ def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip:
     name = "infinitehip" if backend == "infinitehip" else "default"
     comparing = install(ops) if name == "infinitehip" else None
     path = execution_path(ops, device) if name == "infinitehip" else ""
-    llm = LLM(model, **engine_kwargs(backend, max_len, device, hip, gpu_memory_utilization))
+    llm = LLM(model, **engine_kwargs(backend, max_len, device, hip, kv_cache_gib))
     config = json.dumps(hip, sort_keys=True) if name == "infinitehip" else ""
     params = SamplingParams(temperature=0, max_tokens=8)
     for context, depth, prompt in tqdm(cells, desc=name, unit="prompt"):
@@ -188,8 +190,16 @@ def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip:
             print_comparison(compared, f"{context}/{depth}")
         results.add(name, config, path, context, depth, prompt.is_correct(answer), seconds,
                     recall, compared)
+    shutdown(llm)
     del llm
     gc.collect()
+
+
+def shutdown(llm) -> None:
+    """Let an in-process engine's memory go once it is deleted (before the next one starts):
+    vLLM freezes the garbage collector over what the engine allocated until its core shuts
+    down."""
+    llm.llm_engine.engine_core.shutdown()
 
 
 def execution_path(ops: str, device: str) -> str:
@@ -261,8 +271,9 @@ def main() -> int:
                         "the PyTorch reference, or both compared call by call (compare_ops.py)")
     parser.add_argument("--time-budget", type=float, default=float("inf"),
                         help="seconds; prompts not started by then are skipped")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.15,
-                        help="each engine's share of the GPU (smaller: runs side by side)")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="GPU: each engine's KV cache, fixed (runs side by side on one GPU); "
+                        "default 0.15 of the GPU")
     parser.add_argument("--no-recall", dest="recall", action="store_false",
                         help="skip the recall logging (its dense reference costs time): for timing")
     args = parser.parse_args()
@@ -291,7 +302,7 @@ def main() -> int:
     for backend in args.backends:
         for hip in args.infinitehip if backend == "infinitehip" else ["{}"]:
             run_backend(model, backend, cells, max_len, device, json.loads(hip), results,
-                        deadline, args.ops, args.recall, args.gpu_memory_utilization)
+                        deadline, args.ops, args.recall, args.kv_cache_gib)
     print_tables(results, sorted(args.lengths), args.depths)
     from plot import plot_passkey, plot_recall  # benchmarks/plot.py, beside this file
 

@@ -500,7 +500,7 @@ def run_samples(llm, samples: list[Sample]) -> list[str]:
 
 def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip: dict, ops: str,
                 batch: int, results: Results, deadline: float, on_cell=None,
-                gpu_memory_utilization: float = 0.15) -> None:
+                kv_cache_gib: float | None = None) -> None:
     from compare_ops import install  # benchmarks/compare_ops.py, beside this file
     from tqdm import tqdm
     from vllm import LLM
@@ -513,7 +513,7 @@ def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip:
         install(ops)
     path = passkey.execution_path(ops, device) if name == "infinitehip" else ""
     config = json.dumps(hip, sort_keys=True) if name == "infinitehip" else ""
-    kw = passkey.engine_kwargs(backend, max_len, device, hip, gpu_memory_utilization)
+    kw = passkey.engine_kwargs(backend, max_len, device, hip, kv_cache_gib)
     kw["max_num_seqs"] = batch
     llm = LLM(model, **kw)
     bar = tqdm(total=sum(len(s) for _, s in cells), desc=name, unit="sample")
@@ -531,6 +531,7 @@ def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip:
                 on_cell()
     finally:
         bar.close()
+        passkey.shutdown(llm)
         del llm
         gc.collect()
 
@@ -568,8 +569,9 @@ def main() -> int:
                         help="processes generating samples; default half the cores")
     parser.add_argument("--cache", default=str(ROOT / ".cache" / "ruler"),
                         help="generated samples are kept here ('' : not kept)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.15,
-                        help="each engine's share of the GPU (smaller: runs side by side)")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="GPU: each engine's KV cache, fixed (runs side by side on one GPU); "
+                        "default 0.15 of the GPU")
     parser.add_argument("--generate-only", action="store_true",
                         help="fill --cache and stop (samples made here, run on a GPU machine)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -615,7 +617,7 @@ def main() -> int:
                 run_backend(model, backend, cells, max_len, args.device, json.loads(hip),
                             args.ops, batch, results, deadline,
                             on_cell=lambda: write_outputs(results),
-                            gpu_memory_utilization=args.gpu_memory_utilization)
+                            kv_cache_gib=args.kv_cache_gib)
     finally:
         write_outputs(results)
         if results.paths["ruler"].exists():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -81,6 +82,14 @@ def test_plain_samples_are_rulers_base_template_and_are_cached(tiny_model, tmp_p
     assert prompt.endswith(", they are: ")
     assert "in the text above. Answer: According to the chain(s)" in prompt[-300:]
     assert path.stat().st_size > 0
+    # the same tokenizer at another path (the model rebuilt on a GPU machine) finds them: the
+    # cache is keyed by what the tokenizer does, not where it lies
+    elsewhere = tmp_path / "elsewhere" / Path(tiny_model).name
+    shutil.copytree(tiny_model, elsewhere)
+    path.write_text(path.read_text().replace("Memorize and track", "Memorise and track"))
+    moved = ruler.generate_cached("vt", str(elsewhere), LENGTH, 1, False, 42, tmp_path)
+    assert moved[0].prompt == prompt.replace("Memorize and track", "Memorise and track")
+    assert list(tmp_path.rglob("vt-2048-n1-seed42.jsonl")) == [path]
 
 
 def test_scores_are_rulers_metrics_on_hand_made_answers():

@@ -5,6 +5,8 @@ conditional bodies that allocate from the graph's pool (``kernels/graph_if.py``)
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -29,6 +31,10 @@ class RecordingGate:
             self.log.append(("close", index))
 
 
+class Engine:
+    """Stands for an engine's VllmConfig: what owns a set of offers (weakly referenced)."""
+
+
 @pytest.fixture
 def clean_offers():
     saved = dict(step_branches._offers)
@@ -41,7 +47,7 @@ def clean_offers():
 def test_the_forward_is_captured_as_the_refresh_body_then_the_reuse_body(clean_offers):
     device = torch.device("cuda", 0)
     gate = RecordingGate()
-    step_branches._offers[0] = (object(), [gate])
+    step_branches._offers[0] = (weakref.ref(Engine()), [gate])
     seen = []
 
     def forward():
@@ -59,7 +65,7 @@ def test_the_forward_is_captured_as_the_refresh_body_then_the_reuse_body(clean_o
 
 
 def test_a_failing_body_leaves_no_branch_behind(clean_offers):
-    step_branches._offers[0] = (object(), [RecordingGate()])
+    step_branches._offers[0] = (weakref.ref(Engine()), [RecordingGate()])
 
     def forward():
         raise RuntimeError("capture failed")
@@ -73,7 +79,7 @@ def test_only_an_engine_with_one_step_gate_branches(clean_offers):
     device = torch.device("cuda", 0)
     ran = []
     assert not step_branches.capture_branched(lambda: ran.append(1), None, device)  # no offer
-    engine_a, engine_b = object(), object()
+    engine_a, engine_b = Engine(), Engine()  # two VllmConfigs
     first, second = RecordingGate(), RecordingGate()
     step_branches.offer(first, device, engine_a)
     assert step_branches.step_gate(device) is first
@@ -86,6 +92,24 @@ def test_only_an_engine_with_one_step_gate_branches(clean_offers):
     step_branches.offer(second, device, engine_b)
     assert step_branches.step_gate(device) is second
     assert step_branches.step_gate(torch.device("cuda", 1)) is None
+
+
+def test_the_offers_do_not_keep_a_deleted_engine_alive(clean_offers):
+    # through its VllmConfig vLLM reaches every attention layer and its KV cache: an engine
+    # deleted in-process (a benchmark running several in turn) must hand its memory back
+    device = torch.device("cuda", 0)
+    engine, gate = Engine(), RecordingGate()
+    step_branches.offer(gate, device, engine)
+    assert step_branches.step_gate(device) is gate
+    gone = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert gone() is None
+    # a later engine, even one at the same address, starts its own offers
+    later = Engine()
+    step_branches.offer(RecordingGate(), device, later)
+    step_branches.offer(RecordingGate(), device, later)
+    assert step_branches.step_gate(device) is None  # two gates of one engine: no branching
 
 
 def test_install_wraps_the_v2_runners_capture_once(clean_offers):

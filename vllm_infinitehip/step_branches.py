@@ -29,6 +29,7 @@ and the per-layer gate stays.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -38,8 +39,9 @@ REUSE = "reuse"
 _PATCHED_MARK = "_infinitehip_step_branches"
 
 _branch: str | None = None
-# device index -> (the engine's VllmConfig, the step gates its builders offered)
-_offers: dict[int, tuple[object, list[object]]] = {}
+# device index -> (the engine's VllmConfig, weakly: through it vLLM reaches every attention layer
+# and its KV cache, which a deleted engine must hand back; the step gates its builders offered)
+_offers: dict[int, tuple[weakref.ref, list[object]]] = {}
 
 
 def current() -> str | None:
@@ -69,8 +71,8 @@ def offer(gate: object, device: torch.device, owner: object) -> None:
     new engine in the same process replaces the last one's offers."""
     index = _index(device)
     entry = _offers.get(index)
-    if entry is None or entry[0] is not owner:
-        _offers[index] = (owner, [gate])
+    if entry is None or entry[0]() is not owner:
+        _offers[index] = (weakref.ref(owner), [gate])
     else:
         entry[1].append(gate)
     install()
