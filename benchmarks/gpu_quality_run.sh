@@ -14,7 +14,8 @@
 # earlier one).
 # The runs are what issue 13 still lacks after 2026-12-03 (its RULER cells at 2x and 4x, the
 # default backend's at 4x, infinitehip at 1x with RoPE extension off: is the 1x loss the
-# selection or the remapping, and the SmolLM2 settings that did not start), longest first.
+# selection or the remapping, the SmolLM2 settings that did not start, and the decode queries'
+# recall, which passkey.py now logs by running infinitehip eagerly), longest first.
 set -uo pipefail
 budget=${1:-1000}
 source "$(dirname "$0")/gpu_models.sh"
@@ -30,6 +31,7 @@ runs=(
   smol-a "$smol --infinitehip '{\"prefill_tail_window\": 3776}' '{\"rope_pruning\": \"relative\"}' '{\"rope_pruning\": \"chunk-indexed\"}'"
   smol-b "$smol --infinitehip '{\"preset\": \"5k\"}' '{\"dense_layer_keep_tokens\": 3072}' '{\"window_tokens\": 4096, \"dense_layer_keep_tokens\": 2048}'"
   qwen-1x-4x "python3 benchmarks/passkey.py --model qwen2.5-coder-0.5b $dirs --lengths 32768 65536 131072 --kv-cache-gib 2"
+  recall "python3 benchmarks/passkey.py --backends infinitehip --lengths 16384 32768 65536 --depths 0.5 --n 1 --kv-cache-gib 2 --out \$RESULTS/recall; python3 benchmarks/passkey.py --model qwen2.5-coder-0.5b --backends infinitehip --lengths 65536 131072 262144 --depths 0.5 --n 1 --kv-cache-gib 4"
 )
 end=$(($(date +%s) + budget))
 # every command of a line gets what is left of the budget when it starts

@@ -11,8 +11,8 @@ past the trained length). Writes, under ``--out``:
   settings of that engine, ``--infinitehip`` takes several to compare; ``ops``: which execution
   path served it; ``generate_s``: the mean wall time of one prompt's ``generate``, 8 tokens, and
   its ratio to the default backend's on the same prompts; with recall on it includes the
-  recall's dense reference, so time with ``--no-recall``), a PNG heatmap per backend (length x
-  depth) beside it, and a printed table;
+  recall's dense reference and runs infinitehip eagerly, so time with ``--no-recall``), a PNG
+  heatmap per backend (length x depth) beside it, and a printed table;
 - ``recall-<cpu|gpu>-<date>.json``: attention-mass recall on the real model's Q/K, of the final
   prompt query and of the decode queries, rows ``{model, trained_context, config, ops, context,
   depth, query, layer, seq_len, steps, recall, recall_min_head}`` (share of the dense softmax mass
@@ -163,7 +163,11 @@ def run_backend(model: str, backend: str, cells, max_len: int, device: str, hip:
     name = "infinitehip" if backend == "infinitehip" else "default"
     comparing = install(ops) if name == "infinitehip" else None
     path = execution_path(ops, device) if name == "infinitehip" else ""
-    llm = LLM(model, **engine_kwargs(backend, max_len, device, hip, kv_cache_gib))
+    kw = engine_kwargs(backend, max_len, device, hip, kv_cache_gib)
+    if name == "infinitehip" and log_recall:
+        # decode steps replayed from CUDA graphs run no Python: no recall would be logged
+        kw["enforce_eager"] = True
+    llm = LLM(model, **kw)
     config = json.dumps(hip, sort_keys=True) if name == "infinitehip" else ""
     params = SamplingParams(temperature=0, max_tokens=8)
     for context, depth, prompt in tqdm(cells, desc=name, unit="prompt"):
