@@ -12,10 +12,14 @@
 # $RESULTS/<name>/ and logs to $RESULTS/<name>.log; results.tgz brings them back, and
 # benchmarks/merge_results.py joins them into benchmarks/results (a later cell replaces an
 # earlier one).
-# The runs are what issue 13 still lacks after 2026-12-03 (its RULER cells at 2x and 4x, the
-# default backend's at 4x, infinitehip at 1x with RoPE extension off: is the 1x loss the
-# selection or the remapping, the SmolLM2 settings that did not start, and the decode queries'
-# recall, which passkey.py now logs by running infinitehip eagerly), longest first.
+# The runs are what issue 13 still lacks after 2026-12-03, longest first:
+# - RULER's missing cells at 2x and 4x, and the default backend's at 4x;
+# - infinitehip at 1x with RoPE extension off, then also with every decode step refreshing its
+#   masks: at 1x the prefill runs dense, so is the 1x loss the decode steps' remapping, their
+#   reused masks, or their selection;
+# - the SmolLM2 settings that did not start, and Qwen's passkeys at 1x-4x;
+# - SmolLM2's RULER at 1x-4x, the default backend at 1x (does it score above chance there);
+# - the decode queries' recall, which passkey.py now logs by running infinitehip eagerly.
 set -uo pipefail
 budget=${1:-1000}
 source "$(dirname "$0")/gpu_models.sh"
@@ -27,10 +31,12 @@ runs=(
   ruler-4x "$ruler --lengths 131072 --tasks $rest --backends infinitehip --kv-cache-gib 13"
   ruler-2x "$ruler --lengths 65536 --tasks $rest --backends infinitehip --kv-cache-gib 7"
   ruler-default-4x "$ruler --lengths 131072 --tasks $rest --backends default --kv-cache-gib 13"
-  ruler-1x-no-extension "$ruler --lengths 32768 --backends infinitehip --kv-cache-gib 4 --infinitehip '{\"rope_extension\": false}'"
+  ruler-1x-no-extension "$ruler --lengths 32768 --backends infinitehip --kv-cache-gib 4 --infinitehip '{\"rope_extension\": false}' '{\"rope_extension\": false, \"refresh_intervals\": [1, 1, 1]}'"
   smol-a "$smol --infinitehip '{\"prefill_tail_window\": 3776}' '{\"rope_pruning\": \"relative\"}' '{\"rope_pruning\": \"chunk-indexed\"}'"
   smol-b "$smol --infinitehip '{\"preset\": \"5k\"}' '{\"dense_layer_keep_tokens\": 3072}' '{\"window_tokens\": 4096, \"dense_layer_keep_tokens\": 2048}'"
   qwen-1x-4x "python3 benchmarks/passkey.py --model qwen2.5-coder-0.5b $dirs --lengths 32768 65536 131072 --kv-cache-gib 2"
+  smol-ruler "python3 benchmarks/ruler.py --model smollm2-135m --n 20 --device gpu --cache $RULER_CACHE --lengths 8192 16384 32768 --backends infinitehip --kv-cache-gib 4"
+  smol-ruler-default "python3 benchmarks/ruler.py --model smollm2-135m --n 20 --device gpu --cache $RULER_CACHE --lengths 8192 --backends default --kv-cache-gib 2"
   recall "python3 benchmarks/passkey.py --backends infinitehip --lengths 16384 32768 65536 --depths 0.5 --n 1 --kv-cache-gib 2 --out \$RESULTS/recall; python3 benchmarks/passkey.py --model qwen2.5-coder-0.5b --backends infinitehip --lengths 65536 131072 262144 --depths 0.5 --n 1 --kv-cache-gib 4"
 )
 end=$(($(date +%s) + budget))
