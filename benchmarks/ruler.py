@@ -256,6 +256,7 @@ def generate(task: str, model: str, context: int, n: int, chat: bool, seed: int 
     return samples
 
 
+@functools.cache
 def tokenizer_key(model: str) -> str:
     """What the samples depend on in ``model``: how its tokenizer and chat template turn text into
     tokens (a probe's ids), not where it lies or how its files are serialized, so samples
@@ -272,7 +273,8 @@ def tokenizer_key(model: str) -> str:
 
 def generate_cached(task: str, model: str, context: int, n: int, chat: bool, seed: int,
                     cache: Path | None) -> list[Sample]:
-    """:func:`generate`, kept in ``cache`` by model, RULER release, mode, task, length, n, seed."""
+    """:func:`generate`, kept in ``cache`` by model (:func:`tokenizer_key`), RULER release, mode,
+    task, length, n, seed."""
     if cache is None:
         return generate(task, model, context, n, chat, seed)
     from importlib.metadata import version
