@@ -19,7 +19,8 @@
 #   reused masks, or their selection;
 # - the SmolLM2 settings that did not start, and Qwen's passkeys at 1x-4x;
 # - SmolLM2's RULER at 1x-4x, the default backend at 1x (does it score above chance there);
-# - the decode queries' recall, which passkey.py now logs by running infinitehip eagerly.
+# - the decode queries' recall, which passkey.py now logs by running infinitehip eagerly (Qwen also
+#   at depth 0.7, where its 256K passkeys all failed).
 set -uo pipefail
 budget=${1:-1000}
 source "$(dirname "$0")/gpu_models.sh"
@@ -37,7 +38,7 @@ runs=(
   qwen-1x-4x "python3 benchmarks/passkey.py --model qwen2.5-coder-0.5b $dirs --lengths 32768 65536 131072 --kv-cache-gib 2"
   smol-ruler "python3 benchmarks/ruler.py --model smollm2-135m --n 20 --device gpu --cache $RULER_CACHE --lengths 8192 16384 32768 --backends infinitehip --kv-cache-gib 4"
   smol-ruler-default "python3 benchmarks/ruler.py --model smollm2-135m --n 20 --device gpu --cache $RULER_CACHE --lengths 8192 --backends default --kv-cache-gib 2"
-  recall "python3 benchmarks/passkey.py --backends infinitehip --lengths 16384 32768 65536 --depths 0.5 --n 1 --kv-cache-gib 2 --out \$RESULTS/recall; python3 benchmarks/passkey.py --model qwen2.5-coder-0.5b --backends infinitehip --lengths 65536 131072 262144 --depths 0.5 --n 1 --kv-cache-gib 4"
+  recall "python3 benchmarks/passkey.py --backends infinitehip --lengths 16384 32768 65536 --depths 0.5 --n 1 --kv-cache-gib 2 --out \$RESULTS/recall; python3 benchmarks/passkey.py --model qwen2.5-coder-0.5b --backends infinitehip --lengths 65536 131072 262144 --depths 0.5 0.7 --n 1 --kv-cache-gib 4"
 )
 end=$(($(date +%s) + budget))
 # every command of a line gets what is left of the budget when it starts
