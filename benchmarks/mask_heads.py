@@ -1,0 +1,153 @@
+"""One mask per layer against one per KV group: what a decode-like query's selection keeps, on a
+real model's Q/K (CPU, HF transformers; no vLLM engine).
+
+    python benchmarks/mask_heads.py --lengths 16384 32768 --depths 0.1 0.5 --n 1
+
+For a passkey prompt (vllm_infinitehip.passkey), every layer's keys and its final query (the one
+that writes the answer's first token; pruned alone, as decode queries are, b_q = 1) go through the
+reference pruning cascade (kernels/reference.py ``run_stages``) twice, with the layer's own
+parameters and RoPE remapping (extension on, as past the trained length):
+
+- ``layer``: the stage scores max-reduced over all query heads, one ranking for the layer (the
+  authors' default, ``HIP_HEAD_REDUCE=1``, and this plugin's);
+- ``kv_group``: the cascade run per KV head on its own query heads, one ranking per GQA group.
+
+Per layer it reports the remapped recall (``reference.remapped_attention_recall``: the share of
+the dense softmax mass, under the layer's remapping, on the keys attended; mean and worst head)
+and whether the passkey's tokens are attended (by all heads). Writes
+``mask-heads-cpu-<date>.json`` (rows ``{model, context, depth, seed, layer, mode, recall,
+recall_min_head, needle_kept}``), a PNG (recall by layer per mode) and prints the means over
+layers per prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def capture_qk(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer: the final query ``[1, H_q, D]`` and all keys ``[T, H_kv, D]``, rotated at their
+    true positions (what vLLM caches), from one forward pass."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def hook(attn, args, kwargs):
+        h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        cos, sin = kwargs["position_embeddings"]
+        d = attn.head_dim
+        q = attn.q_proj(h[:, -1:]).view(1, 1, -1, d).transpose(1, 2)
+        k = attn.k_proj(h).view(1, h.shape[1], -1, d).transpose(1, 2)
+        q, _ = apply_rotary_pos_emb(q, q, cos[:, -1:], sin[:, -1:])
+        _, k = apply_rotary_pos_emb(k, k, cos, sin)
+        out.append((q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous()))
+
+    handles = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True)
+               for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False, logits_to_keep=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out
+
+
+def select(params, q, k, position, scale):
+    from vllm_infinitehip.kernels import reference as ref
+
+    pos = torch.tensor([position])
+    prune = ref.run_stages(params, q, k, pos, scale)
+    mask = ref.sparse_key_mask(params, k.shape[0], pos, prune.block_starts, prune.block_valid)
+    return mask, ref.remapped_attention_recall(params, q, k, pos, mask, scale)[0]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16384])
+    parser.add_argument("--depths", type=float, nargs="+", default=[0.5])
+    parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm_infinitehip.kernels import reference as ref
+    from vllm_infinitehip.kernels.rope import RopeTable
+
+    from vllm_infinitehip.backend import layer_prune_params
+    from vllm_infinitehip.config import InfiniteHiPConfig
+    from vllm_infinitehip.offline_models import smollm2_135m
+    from vllm_infinitehip.passkey import make_passkey_prompt
+
+    path = str(smollm2_135m())
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    cfg = InfiniteHiPConfig()
+    table = RopeTable(inv_freq=model.model.rotary_emb.inv_freq.double(), is_neox=True)
+    scale = model.config.head_dim ** -0.5 if hasattr(model.config, "head_dim") else (
+        (model.config.hidden_size // model.config.num_attention_heads) ** -0.5)
+    rows = []
+    date = datetime.date.today().isoformat()
+    out = Path(args.out) / f"mask-heads-cpu-{date}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for length in args.lengths:
+        for depth in args.depths:
+            for i in range(args.n):
+                prompt = make_passkey_prompt(tok, length, depth, seed=1000 * i + int(depth * 100)
+                                             + length)
+                enc = tok(prompt.text, return_offsets_mapping=True)
+                ids = torch.tensor([enc["input_ids"]])
+                at = prompt.text.index(prompt.passkey)
+                needle = [t for t, (a, b) in enumerate(enc["offset_mapping"])
+                          if a < at + len(prompt.passkey) and b > at]
+                position = ids.shape[1] - 1
+                for layer, (q, k) in enumerate(capture_qk(model, ids)):
+                    rope = ref.RopePlan(table=table, pruning=cfg.rope_pruning_for_layer(layer),
+                                        bsa=cfg.rope_bsa)
+                    params = layer_prune_params(cfg, layer, rope)
+                    hkv = k.shape[1]
+                    group = q.shape[1] // hkv
+                    shared_mask, shared = select(params, q, k, position, scale)
+                    per_group, kept = [], True
+                    for g in range(hkv):
+                        mask, recall = select(params, q[:, g * group:(g + 1) * group],
+                                              k[:, g:g + 1], position, scale)
+                        per_group.append(recall)
+                        kept &= bool(mask[0, needle].all())
+                    for mode, recall, needle_kept in (
+                            ("layer", shared, bool(shared_mask[0, needle].all())),
+                            ("kv_group", torch.cat(per_group), kept)):
+                        rows.append({"model": "smollm2-135m", "context": ids.shape[1],
+                                     "depth": depth, "seed": i, "layer": layer, "mode": mode,
+                                     "recall": round(float(recall.mean()), 5),
+                                     "recall_min_head": round(float(recall.min()), 5),
+                                     "needle_kept": needle_kept})
+                out.write_text(json.dumps({"name": "mask-heads", "date": date, "gpu": "cpu",
+                                           "command": "python " + " ".join(sys.argv),
+                                           "rows": rows}, indent=0))
+                for mode in ("layer", "kv_group"):
+                    rs = [r for r in rows if r["mode"] == mode and r["depth"] == depth
+                          and r["seed"] == i and r["context"] == ids.shape[1]]
+                    worst = min(rs, key=lambda r: r["recall"])
+                    print(f"{ids.shape[1]:>6} depth {depth} seed {i} {mode:<9} recall "
+                          f"{sum(r['recall'] for r in rs) / len(rs):.3f} worst L{worst['layer']} "
+                          f"{worst['recall']:.3f}, needle kept in "
+                          f"{sum(r['needle_kept'] for r in rs)}/{len(rs)} layers", flush=True)
+    from plot import plot_mask_heads  # benchmarks/plot.py, beside this file
+
+    plot_mask_heads(json.loads(out.read_text()), out.with_suffix(".png"))
+    print(f"wrote {out} and its .png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
