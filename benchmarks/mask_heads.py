@@ -1,7 +1,7 @@
 """One mask per layer against one per KV group: what a decode-like query's selection keeps, on a
 real model's Q/K (CPU, HF transformers; no vLLM engine).
 
-    python benchmarks/mask_heads.py --lengths 16384 32768 --depths 0.1 0.5 --n 1
+    python benchmarks/mask_heads.py --model smollm2-135m --lengths 16384 --depths 0.1 0.5 --n 1
 
 For a passkey prompt (vllm_infinitehip.passkey), every layer's keys and its final query (the one
 that writes the answer's first token; pruned alone, as decode queries are, b_q = 1) go through the
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -31,6 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import passkey  # noqa: E402  (benchmarks/passkey.py: the models and how each is prompted)
 
 
 def capture_qk(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -72,6 +75,7 @@ def select(params, q, k, position, scale):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(passkey.MODELS))
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.5])
     parser.add_argument("--n", type=int, default=1)
@@ -84,10 +88,10 @@ def main() -> int:
 
     from vllm_infinitehip.backend import layer_prune_params
     from vllm_infinitehip.config import InfiniteHiPConfig
-    from vllm_infinitehip.offline_models import smollm2_135m
     from vllm_infinitehip.passkey import make_passkey_prompt
 
-    path = str(smollm2_135m())
+    loader, chat = passkey.MODELS[args.model]
+    path = str(getattr(importlib.import_module("vllm_infinitehip.offline_models"), loader)())
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
@@ -102,8 +106,8 @@ def main() -> int:
     for length in args.lengths:
         for depth in args.depths:
             for i in range(args.n):
-                prompt = make_passkey_prompt(tok, length, depth, seed=1000 * i + int(depth * 100)
-                                             + length)
+                prompt = make_passkey_prompt(tok, length, depth, chat=chat,
+                                             seed=1000 * i + int(depth * 100) + length)
                 enc = tok(prompt.text, return_offsets_mapping=True)
                 ids = torch.tensor([enc["input_ids"]])
                 at = prompt.text.index(prompt.passkey)
@@ -126,7 +130,7 @@ def main() -> int:
                     for mode, recall, needle_kept in (
                             ("layer", shared, bool(shared_mask[0, needle].all())),
                             ("kv_group", torch.cat(per_group), kept)):
-                        rows.append({"model": "smollm2-135m", "context": ids.shape[1],
+                        rows.append({"model": args.model, "context": ids.shape[1],
                                      "depth": depth, "seed": i, "layer": layer, "mode": mode,
                                      "recall": round(float(recall.mean()), 5),
                                      "recall_min_head": round(float(recall.min()), 5),

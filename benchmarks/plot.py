@@ -150,22 +150,23 @@ def plot_mask_heads(result: dict, out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4))
     rows = result["rows"]
-    for n in sorted({r["context"] for r in rows}):
+    for model, n in sorted({(r["model"], r["context"]) for r in rows}):
         line = None
         for mode, style in (("layer", "-"), ("kv_group", "--")):
             by_layer: dict[int, list[dict]] = {}
             for r in rows:
-                if (r["context"], r["mode"]) == (n, mode):
+                if (r["model"], r["context"], r["mode"]) == (model, n, mode):
                     by_layer.setdefault(r["layer"], []).append(r)
             layers = sorted(by_layer)
             means = [sum(r["recall"] for r in by_layer[k]) / len(by_layer[k]) for k in layers]
-            line = ax.plot(layers, means, style, label=f"{round(n / 1024)}K, one mask per {mode}",
+            line = ax.plot(layers, means, style,
+                           label=f"{model} {round(n / 1024)}K, one mask per {mode}",
                            color=None if line is None else line[0].get_color())
             kept = [all(r["needle_kept"] for r in by_layer[k]) for k in layers]
             ax.scatter(layers, means, s=14, color=line[0].get_color(),
                        facecolors=[line[0].get_color() if k else "none" for k in kept])
     ax.set(xlabel="layer", ylabel="recall under the remapping", ylim=(0, 1.02),
-           title=f"decode-like query, SmolLM2-135M, {result['gpu']}, {result['date']}")
+           title=f"decode-like query, {result['gpu']}, {result['date']}")
     ax.axhline(0.95, color="grey", linestyle=":", linewidth=1)
     ax.legend(fontsize=7)
     fig.savefig(out, dpi=110, bbox_inches="tight")
