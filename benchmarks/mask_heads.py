@@ -15,7 +15,7 @@ parameters and RoPE remapping (extension on, as past the trained length):
 Per layer it reports the remapped recall (``reference.remapped_attention_recall``: the share of
 the dense softmax mass, under the layer's remapping, on the keys attended; mean and worst head)
 and whether the passkey's tokens are attended (by all heads). Writes
-``mask-heads-cpu-<date>.json`` (rows ``{model, context, depth, seed, layer, mode, recall,
+``mask-heads-cpu-<date>.json`` (rows ``{model, config, context, depth, seed, layer, mode, recall,
 recall_min_head, needle_kept}``), a PNG (recall by layer per mode) and prints the means over
 layers per prompt.
 """
@@ -79,6 +79,8 @@ def main() -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.5])
     parser.add_argument("--n", type=int, default=1)
+    parser.add_argument("--infinitehip", default="{}",
+                        help="JSON settings (as additional_config's): the layers' parameters")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
 
@@ -95,7 +97,8 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
-    cfg = InfiniteHiPConfig()
+    cfg = InfiniteHiPConfig.from_user(json.loads(args.infinitehip))
+    config = json.dumps(json.loads(args.infinitehip), sort_keys=True)
     table = RopeTable(inv_freq=model.model.rotary_emb.inv_freq.double(), is_neox=True)
     scale = model.config.head_dim ** -0.5 if hasattr(model.config, "head_dim") else (
         (model.config.hidden_size // model.config.num_attention_heads) ** -0.5)
@@ -130,7 +133,8 @@ def main() -> int:
                     for mode, recall, needle_kept in (
                             ("layer", shared, bool(shared_mask[0, needle].all())),
                             ("kv_group", torch.cat(per_group), kept)):
-                        rows.append({"model": args.model, "context": ids.shape[1],
+                        rows.append({"model": args.model, "config": config,
+                                     "context": ids.shape[1],
                                      "depth": depth, "seed": i, "layer": layer, "mode": mode,
                                      "recall": round(float(recall.mean()), 5),
                                      "recall_min_head": round(float(recall.min()), 5),
@@ -140,7 +144,7 @@ def main() -> int:
                                            "rows": rows}, indent=0))
                 for mode in ("layer", "kv_group"):
                     rs = [r for r in rows if r["mode"] == mode and r["depth"] == depth
-                          and r["seed"] == i and r["context"] == ids.shape[1]]
+                          and r["seed"] == i and r["context"] == ids.shape[1]]  # fmt: skip
                     worst = min(rs, key=lambda r: r["recall"])
                     print(f"{ids.shape[1]:>6} depth {depth} seed {i} {mode:<9} recall "
                           f"{sum(r['recall'] for r in rs) / len(rs):.3f} worst L{worst['layer']} "

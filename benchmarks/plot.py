@@ -150,17 +150,20 @@ def plot_mask_heads(result: dict, out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4))
     rows = result["rows"]
-    for model, n in sorted({(r["model"], r["context"]) for r in rows}):
+    for model, config, n in sorted({(r["model"], r.get("config", "{}"), r["context"])
+                                    for r in rows}):  # fmt: skip
         line = None
+        settings = "" if config == "{}" else f" {config}"
         for mode, style in (("layer", "-"), ("kv_group", "--")):
             by_layer: dict[int, list[dict]] = {}
             for r in rows:
-                if (r["model"], r["context"], r["mode"]) == (model, n, mode):
+                if (r["model"], r.get("config", "{}"), r["context"], r["mode"]) == (
+                        model, config, n, mode):  # fmt: skip
                     by_layer.setdefault(r["layer"], []).append(r)
             layers = sorted(by_layer)
             means = [sum(r["recall"] for r in by_layer[k]) / len(by_layer[k]) for k in layers]
             line = ax.plot(layers, means, style,
-                           label=f"{model} {round(n / 1024)}K, one mask per {mode}",
+                           label=f"{model}{settings} {round(n / 1024)}K, one mask per {mode}",
                            color=None if line is None else line[0].get_color())
             kept = [all(r["needle_kept"] for r in by_layer[k]) for k in layers]
             ax.scatter(layers, means, s=14, color=line[0].get_color(),
