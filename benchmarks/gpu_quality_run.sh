@@ -14,10 +14,10 @@
 # earlier one).
 # The runs are what issue 13 still lacks after 2026-12-03, longest first:
 # - RULER's missing cells at 2x and 4x, and the default backend's at 4x;
-# - infinitehip at 1x with RoPE extension off, with the 5k preset's larger budget, and with
-#   every decode step refreshing its masks: at 1x the prefill runs dense, so is the 1x loss the
-#   decode steps' remapping, their budget (a decode-like query keeps 0.895 of the mass at 16K,
-#   benchmarks/mask_heads.py), or their reused masks;
+# - infinitehip at 1x with RoPE extension off, with a 4096 window, with the 5k preset's larger
+#   budget, and with every decode step refreshing its masks: at 1x the prefill runs dense, so is
+#   the 1x loss the decode steps' remapping, their window (a decode-like query keeps 0.895 of the
+#   mass at 16K, 0.955 with the 4096 window: benchmarks/mask_heads.py), budget, or reused masks;
 # - the SmolLM2 settings that did not start, and Qwen's passkeys at 1x-4x;
 # - SmolLM2's RULER at 1x-4x, the default backend at 1x (does it score above chance there);
 # - the decode queries' recall, which passkey.py now logs by running infinitehip eagerly (Qwen also
@@ -33,7 +33,7 @@ runs=(
   ruler-4x "$ruler --lengths 131072 --tasks $rest --backends infinitehip --kv-cache-gib 13"
   ruler-2x "$ruler --lengths 65536 --tasks $rest --backends infinitehip --kv-cache-gib 7"
   ruler-default-4x "$ruler --lengths 131072 --tasks $rest --backends default --kv-cache-gib 13"
-  ruler-1x-no-extension "$ruler --lengths 32768 --backends infinitehip --kv-cache-gib 4 --infinitehip '{\"rope_extension\": false}' '{\"preset\": \"5k\"}' '{\"rope_extension\": false, \"refresh_intervals\": [1, 1, 1]}'"
+  ruler-1x-no-extension "$ruler --lengths 32768 --backends infinitehip --kv-cache-gib 4 --infinitehip '{\"rope_extension\": false}' '{\"window_tokens\": 4096}' '{\"preset\": \"5k\"}' '{\"rope_extension\": false, \"refresh_intervals\": [1, 1, 1]}'"
   smol-a "$smol --infinitehip '{\"prefill_tail_window\": 3776}' '{\"rope_pruning\": \"relative\"}' '{\"rope_pruning\": \"chunk-indexed\"}'"
   smol-b "$smol --infinitehip '{\"preset\": \"5k\"}' '{\"dense_layer_keep_tokens\": 3072}' '{\"window_tokens\": 4096, \"dense_layer_keep_tokens\": 2048}'"
   qwen-1x-4x "python3 benchmarks/passkey.py --model qwen2.5-coder-0.5b $dirs --lengths 32768 65536 131072 --kv-cache-gib 2"
