@@ -33,7 +33,7 @@ runs=(
   ruler-4x "$ruler --lengths 131072 --tasks $rest --backends infinitehip --kv-cache-gib 13"
   ruler-2x "$ruler --lengths 65536 --tasks $rest --backends infinitehip --kv-cache-gib 7"
   ruler-default-4x "$ruler --lengths 131072 --tasks $rest --backends default --kv-cache-gib 13"
-  ruler-1x-no-extension "$ruler --lengths 32768 --backends infinitehip --kv-cache-gib 4 --infinitehip '{\"rope_extension\": false}' '{\"window_tokens\": 4096}' '{\"preset\": \"5k\"}' '{\"rope_extension\": false, \"refresh_intervals\": [1, 1, 1]}'"
+  ruler-1x-diagnostics "$ruler --lengths 32768 --backends infinitehip --kv-cache-gib 4 --infinitehip '{\"rope_extension\": false}' '{\"window_tokens\": 4096}' '{\"preset\": \"5k\"}' '{\"rope_extension\": false, \"refresh_intervals\": [1, 1, 1]}'"
   smol-a "$smol --infinitehip '{\"prefill_tail_window\": 3776}' '{\"rope_pruning\": \"relative\"}' '{\"rope_pruning\": \"chunk-indexed\"}'"
   smol-b "$smol --infinitehip '{\"preset\": \"5k\"}' '{\"dense_layer_keep_tokens\": 3072}' '{\"window_tokens\": 4096, \"dense_layer_keep_tokens\": 2048}'"
   qwen-1x-4x "python3 benchmarks/passkey.py --model qwen2.5-coder-0.5b $dirs --lengths 32768 65536 131072 --kv-cache-gib 2"
