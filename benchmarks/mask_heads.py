@@ -99,9 +99,11 @@ def main() -> int:
                                                  attn_implementation="sdpa").eval()
     cfg = InfiniteHiPConfig.from_user(json.loads(args.infinitehip))
     config = json.dumps(json.loads(args.infinitehip), sort_keys=True)
-    table = RopeTable(inv_freq=model.model.rotary_emb.inv_freq.double(), is_neox=True)
-    scale = model.config.head_dim ** -0.5 if hasattr(model.config, "head_dim") else (
-        (model.config.hidden_size // model.config.num_attention_heads) ** -0.5)
+    attn = model.model.layers[0].self_attn
+    # the frequencies as vLLM builds them (the backend's table; it refuses rotary types that are
+    # not a pure rotation), and the model's own softmax scale
+    table = RopeTable.from_vllm(attn.head_dim, model.config)
+    scale = attn.scaling
     rows = []
     date = datetime.date.today().isoformat()
     out = Path(args.out) / f"mask-heads-cpu-{date}.json"
