@@ -56,11 +56,21 @@ class RopePlan:
     ``pruning``: ``"relative"`` (query at sw'+1, left probe at 0, right probe at 1),
     ``"chunk-indexed"`` (key at its chunk's ordinal, query at min(p, C + sw')) or ``"none"``.
     ``bsa``: ``"streaming"`` (sink and selected keys laid out just left of the window) or ``"none"``.
+    ``trained_context``: a query block whose last query sits below it is scored and attends at
+    true positions, as with ``"none"``; only blocks (decode: rows) reaching it are remapped.
+    Inside the trained length true positions are what the model learned, and the remapping
+    costs accuracy there (RULER at 1x on Qwen2.5-Coder-0.5B: niah_multikey_1 40 -> 75 without
+    it). 0 remaps every query.
     """
 
     table: RopeTable
     pruning: str = "relative"
     bsa: str = "streaming"
+    trained_context: int = 0
+
+    def remaps(self, last_pos: torch.Tensor) -> torch.Tensor:
+        """Which query blocks (by their last query's position) take the remapping."""
+        return last_pos >= self.trained_context
 
 
 @dataclass(frozen=True)
@@ -507,7 +517,9 @@ def run_stages(
     seq_len = k.shape[0]
     rope = params.rope
     remap = rope is not None and rope.pruning != "none"
-    if remap:
+    true_qk = (q, k)
+    # (a request still inside the trained length needs no un-rotated copies at all)
+    if remap and q_positions.numel() and bool(rope.remaps(q_positions.max())):
         # Score with un-rotated queries and keys, then place them where the style says.
         q = rotate(q.float(), -q_positions.long(), rope.table)
         k = rotate(k.float(), -torch.arange(seq_len, device=k.device), rope.table)
@@ -515,6 +527,7 @@ def run_stages(
     stage_inputs: list[Candidates] = []
     n_stages = len(params.stages)
     block_min_pos, key_limit = block_bounds(q_positions, params.stages[start_stage].block_size_q)
+    block_last = block_last_pos(q_positions, params.stages[start_stage].block_size_q)
     if start_stage == 0:
         cand = first_stage_candidates(params, seq_len, block_min_pos)
     else:
@@ -529,8 +542,8 @@ def run_stages(
             # Every live chunk survives the top-k, so the scores cannot change the outcome.
             scores = torch.where(live, 0.0, NEG_INF)
         else:
-            qp = pool_queries(q, st.block_size_q, st.query_stride) * scale
-            scores = _stage_scores(params, qp, k, cand, st.chunk_size, key_limit, block_min_pos)
+            scores = _block_scores(params, q, k, true_qk, st, scale, cand, key_limit,
+                                   block_min_pos, block_last)  # fmt: skip
         if reduce_scores is not None:
             scores = reduce_scores(scores)
         kept_starts, kept_valid = keep_top_chunks(scores, cand, keep)
@@ -540,6 +553,7 @@ def run_stages(
         cand = split_chunks(kept_starts, kept_valid, st.chunk_size, nxt.chunk_size, key_limit)
         if nxt.block_size_q != st.block_size_q:
             block_min_pos, key_limit = block_bounds(q_positions, nxt.block_size_q)
+            block_last = block_last_pos(q_positions, nxt.block_size_q)
             cand = refine_blocks(cand, st.block_size_q // nxt.block_size_q, key_limit)
     raise AssertionError("unreachable: at least one stage runs")
 
@@ -557,6 +571,16 @@ def block_bounds(
     min_pos = torch.full((-(-nq // block_size_q),), fill, dtype=torch.long, device=device)
     min_pos = min_pos.scatter_reduce(0, blk, q_positions.long(), reduce="amin")
     return min_pos, min_pos + 1
+
+
+def block_last_pos(q_positions: torch.Tensor, block_size_q: int) -> torch.Tensor:
+    """Per query block of ``block_size_q`` queries (counted from the first): its largest
+    position, which decides whether the block is remapped (:meth:`RopePlan.remaps`)."""
+    blk = query_block_ids(q_positions.shape[0], block_size_q).to(q_positions.device)
+    fill = torch.iinfo(torch.long).min
+    last = torch.full((-(-q_positions.shape[0] // block_size_q),), fill, dtype=torch.long,
+                      device=q_positions.device)  # fmt: skip
+    return last.scatter_reduce(0, blk, q_positions.long(), reduce="amax")
 
 
 def refine_blocks(cand: Candidates, factor: int, key_limit: torch.Tensor) -> Candidates:
@@ -624,6 +648,40 @@ def _stage_scores(
     return select_rep_scores(
         qp, k, cand, chunk_size, key_limit, params.probe, chunk_rotation=(delta, rope.table)
     )
+
+
+def _block_scores(
+    params: PruneParams,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    true_qk: tuple[torch.Tensor, torch.Tensor],
+    st: StageParams,
+    scale: float,
+    cand: Candidates,
+    key_limit: torch.Tensor,
+    block_min_pos: torch.Tensor,
+    block_last: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`_stage_scores` for the query blocks the layer remaps (``q``, ``k`` un-rotated to
+    position 0 then) and true-position scores for the others (``true_qk``: the queries and keys
+    as given), each block scored exactly as its path alone would score it."""
+    rope = params.rope
+
+    def true_scores() -> torch.Tensor:
+        qp = pool_queries(true_qk[0], st.block_size_q, st.query_stride) * scale
+        return select_rep_scores(qp, true_qk[1], cand, st.chunk_size, key_limit, params.probe)
+
+    if rope is None or rope.pruning == "none":
+        return true_scores()
+    remapped = rope.remaps(block_last)
+    if not bool(remapped.any()):
+        return true_scores()
+    qp = pool_queries(q, st.block_size_q, st.query_stride) * scale
+    scores = _stage_scores(params, qp, k, cand, st.chunk_size, key_limit, block_min_pos)
+    if bool(remapped.all()):
+        return scores
+    # only a chunk whose blocks lie on both sides of the trained length pays for both
+    return torch.where(remapped.view(-1, 1), scores, true_scores())
 
 
 def relative_queries(
@@ -750,7 +808,8 @@ def remapped_attention_recall(
     distance ``sw' + 1`` from the query (its content alone decides, as for a left-branch probe);
     ``chunk-indexed``, at the ordinal of its stage-0 chunk (sink keys at 0) with the query at
     ``min(p, C + sw')``. So the number says what the selection missed of what it was ranking.
-    Without a remapping it is :func:`attention_recall`. ``[Nq, H_q]``; meant for the few
+    Without a remapping it is :func:`attention_recall`, and so it is for a query below the
+    plan's ``trained_context``, which keeps its true positions. ``[Nq, H_q]``; meant for the few
     queries the recall log follows (one pass over the keys per query).
     """
     rope = params.rope
@@ -774,6 +833,11 @@ def remapped_attention_recall(
     for i in range(nq):
         p = int(q_positions[i])
         qi = q[i : i + 1].float()
+        if p < rope.trained_context:  # scored and attended at true positions (RopePlan)
+            s = scores(qi, kf)
+            probs = s.masked_fill(t > p, NEG_INF).softmax(dim=-1)
+            out[i] = (probs * mask[i]).sum(-1)
+            continue
         q0 = rotate(qi, -p, table)
         if rope.pruning == "relative":
             far_q, far_k = rotate(q0, sw + 1, table), k0
@@ -803,15 +867,45 @@ def sparse_attention(
     Returns the output ``[Nq, Hq, D]``, the pruning result and the number of (query, key)
     pairs attended, for the counters. Queries are processed ``query_group`` at a time (a whole
     number of query blocks); each group gathers only the keys some of its queries attend to,
-    so the work follows the sparsity rather than the context length.
+    so the work follows the sparsity rather than the context length. With a streaming plan
+    (§2), only the query blocks :meth:`RopePlan.remaps` takes are attended at streaming
+    positions; the others attend as without one.
     """
     if prune is None:
         prune = run_stages(params, q, k, q_positions, scale)
-    if params.rope is not None and params.rope.bsa == "streaming":
-        out, attended = _streaming_attention(params, q, k, v, q_positions, scale, prune)
-        return out, prune, attended
+    rope = params.rope
+    remapped = None
+    if rope is not None and rope.bsa == "streaming":
+        remapped = rope.remaps(block_last_pos(q_positions, params.block_size_q))
+        if bool(remapped.all()):
+            out, attended = _streaming_attention(params, q, k, v, q_positions, scale, prune)
+            return out, prune, attended
+    out, per_query = _true_position_attention(params, q, k, v, q_positions, scale, prune,
+                                              query_group)  # fmt: skip
+    if remapped is None or not bool(remapped.any()):
+        return out, prune, int(per_query.sum())
+    # blocks on both sides of the trained length: each block takes its own path's result
+    row_remapped = remapped[query_block_ids(q.shape[0], params.block_size_q).to(q.device)]
+    streamed, attended = _streaming_attention(params, q, k, v, q_positions, scale, prune,
+                                              remapped)  # fmt: skip
+    out = torch.where(row_remapped.view(-1, 1, 1), streamed, out)
+    return out, prune, attended + int(per_query[~row_remapped].sum())
+
+
+def _true_position_attention(
+    params: PruneParams,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    prune: PruneResult,
+    query_group: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention over :func:`sparse_key_mask` at true positions: the output and
+    the keys each query attended."""
     out = torch.empty_like(q)
-    attended = 0
+    per_query = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
     bq = params.block_size_q
     step = max(bq, (query_group // bq) * bq)
     for lo in range(0, q.shape[0], step):
@@ -824,10 +918,10 @@ def sparse_attention(
             prune.block_starts[b_lo:b_hi],
             prune.block_valid[b_lo:b_hi],
         )
-        attended += int(mask.sum())
+        per_query[lo:hi] = mask.sum(1)
         cols = mask.any(0).nonzero().squeeze(1)
         out[lo:hi] = masked_attention(q[lo:hi], k[cols], v[cols], mask[:, cols], scale)
-    return out, prune, attended
+    return out, per_query
 
 
 def _streaming_attention(
@@ -838,12 +932,15 @@ def _streaming_attention(
     q_positions: torch.Tensor,
     scale: float,
     prune: PruneResult,
+    blocks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Block-sparse attention with StreamingLLM-style positions (§2), per query block.
 
     Queries and the block's window ``(p_min - n_stream, p]`` keep their true positions; the
     sink tokens and then the selected blocks, in index order, are moved to contiguous positions
     ending just left of the window, so every distance stays near the budget, not the context.
+    ``blocks`` (bool per query block): only those are attended (the others' rows are left
+    unset and count no pairs).
     """
     from vllm_infinitehip.kernels.rope import streaming_positions
 
@@ -855,6 +952,8 @@ def _streaming_attention(
     sink = torch.arange(min(params.sink_tokens, seq_len), device=k.device)
     offs = torch.arange(bk, device=k.device)
     for b in range(prune.block_starts.shape[0]):
+        if blocks is not None and not bool(blocks[b]):
+            continue
         lo, hi = b * bq, min(q.shape[0], (b + 1) * bq)
         pos = q_positions[lo:hi].long()
         p_min, p_max = int(pos[0]), int(pos[-1])

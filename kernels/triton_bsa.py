@@ -323,6 +323,7 @@ def _decode_split_kernel(
     stride_nv,
     sink_tokens,
     window_tokens,
+    trained_context,
     qk_scale,
     cap_log2e,
     inv_cap_scale,
@@ -366,14 +367,16 @@ def _decode_split_kernel(
     mask_row = tl.maximum(row_slot, 0).to(tl.int64)
     # Virtual key sequence: [0, sink_len) sink, then window positions [win_lo, pos], then the
     # selected blocks. win_lo >= sink_len, so sink and window never overlap.
+    sink_len = tl.minimum(sink_tokens, seq_len)
+    win_lo = tl.maximum(sink_len, pos - window_tokens + 1)
     if STREAMING:
+        # A row below the trained length attends at true positions, over the key set of the
+        # plain path (reference.sparse_attention): everything streaming below is off for it.
+        remap = pos >= trained_context
         # As reference._streaming_attention: the window (p - n_stream, p] may reach into the
         # sink, whose tokens there are window keys (true positions), not sink keys.
-        win_lo = tl.maximum(pos - window_tokens + 1, 0)
-        sink_len = tl.minimum(tl.minimum(sink_tokens, seq_len), win_lo)
-    else:
-        sink_len = tl.minimum(sink_tokens, seq_len)
-        win_lo = tl.maximum(sink_len, pos - window_tokens + 1)
+        win_lo = tl.where(remap, tl.maximum(pos - window_tokens + 1, 0), win_lo)
+        sink_len = tl.where(remap, tl.minimum(sink_len, win_lo), sink_len)
     # A dense row's whole context is its window, at true positions.
     sink_len = tl.where(dense, 0, sink_len)
     win_lo = tl.where(dense, 0, win_lo)
@@ -430,14 +433,13 @@ def _decode_split_kernel(
         prev = tl.load(starts_row + (blk - 1) * stride_sk, mask=sel & (blk > 0), other=0)
         prev_end = tl.where(blk > 0, prev.to(tl.int32) + BLOCK_K, 0)
         t_sel = start + vs % BLOCK_K
+        # t_sel < win_lo also keeps it causal and out of the sink-covered prefix.
+        sel_ok = sel & (t_sel >= sink_tokens) & (t_sel < win_lo) & (t_sel >= prev_end)
         if STREAMING:
             # The reference's far list is not deduplicated: a selected token inside the sink, or
             # in two overlapping blocks, is attended once per occurrence, each at its own slot.
             # Only tokens inside the window are dropped (they are window keys).
-            sel_ok = sel & (t_sel >= 0) & (t_sel < win_lo)
-        else:
-            # t_sel < win_lo also keeps it causal and out of the sink-covered prefix.
-            sel_ok = sel & (t_sel >= sink_tokens) & (t_sel < win_lo) & (t_sel >= prev_end)
+            sel_ok = tl.where(remap, sel & (t_sel >= 0) & (t_sel < win_lo), sel_ok)
         t = tl.where(in_sw, t_sw, t_sel)
         ok = tl.where(in_sw, live, sel_ok)
         rows = paged_rows(
@@ -446,7 +448,7 @@ def _decode_split_kernel(
         )  # fmt: skip
         # (constexpr branches outermost: the compiler visits both sides of a runtime branch)
         if STREAMING:
-            far = ok & ((vi < sink_len) | ~in_sw)
+            far = ok & ((vi < sink_len) | ~in_sw) & remap
             if tl.max(far.to(tl.int32), axis=0) > 0:  # window-only tiles keep true positions
                 slot = tl.where(in_sw, vi, sel_slot0 + vs)
                 delta = tl.where(far, tl.maximum(slot + first, 0) - t, 0)
@@ -641,6 +643,105 @@ def _prefill_streaming(
 
 
 @triton.jit
+def _prefill_plain(
+    q,
+    acc,
+    m_i,
+    l_i,
+    kv_ptr,
+    bt_ptr,
+    starts_row,
+    n_sel,
+    pos,
+    p_min,
+    p_max,
+    kv_head,
+    offs_d,
+    d_ok,
+    stride_page,
+    stride_kv,
+    stride_tok,
+    stride_head,
+    stride_d,
+    stride_btp,
+    stride_sk,
+    sink_tokens,
+    window_tokens,
+    qk_scale,
+    cap_log2e,
+    inv_cap_scale,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    k_scale,
+    v_scale,
+    KV_FP8: tl.constexpr,
+):
+    """One query block over the key set of ``reference.sparse_key_mask`` at true positions."""
+    # 1. Selected blocks: outside the sink, outside each query's window (which implies
+    #    causal), and past the previous block's end (dedup of overlapping blocks).
+    for v0 in range(0, n_sel, BLOCK_N):
+        vi = v0 + tl.arange(0, BLOCK_N)
+        live = vi < n_sel
+        blk = vi // BLOCK_K
+        start = tl.load(starts_row + blk * stride_sk, mask=live, other=0).to(tl.int32)
+        prev = tl.load(starts_row + (blk - 1) * stride_sk, mask=live & (blk > 0), other=0)
+        prev_end = tl.where(blk > 0, prev.to(tl.int32) + BLOCK_K, 0)
+        t = start + vi % BLOCK_K
+        ok = live & (t >= sink_tokens) & (t >= prev_end) & (t <= p_max - window_tokens)
+        k, v = _load_kv(
+            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
+            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+            k_scale, v_scale, KV_FP8,
+        )  # fmt: skip
+        valid = ok[None, :] & (t[None, :] <= pos[:, None] - window_tokens)
+        acc, m_i, l_i = _attend(
+            q, k, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
+            USE_SOFT_CAP, DOT_PRECISION,
+        )  # fmt: skip
+
+    # 2. Sink: causal only.
+    sink_hi = tl.minimum(sink_tokens, p_max + 1)
+    for t0 in range(0, sink_hi, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        ok = t < sink_hi
+        k, v = _load_kv(
+            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
+            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+            k_scale, v_scale, KV_FP8,
+        )  # fmt: skip
+        valid = ok[None, :] & (t[None, :] <= pos[:, None])
+        acc, m_i, l_i = _attend(
+            q, k, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
+            USE_SOFT_CAP, DOT_PRECISION,
+        )  # fmt: skip
+
+    # 3. Window: the union of the block's windows, starting past the sink; per query
+    #    (p - n_stream, p].
+    win_lo = tl.maximum(sink_tokens, p_min - window_tokens + 1)
+    for t0 in range(win_lo, p_max + 1, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        ok = t <= p_max
+        k, v = _load_kv(
+            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
+            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
+            k_scale, v_scale, KV_FP8,
+        )  # fmt: skip
+        valid = (
+            ok[None, :]
+            & (t[None, :] <= pos[:, None])
+            & (t[None, :] > pos[:, None] - window_tokens)
+        )
+        acc, m_i, l_i = _attend(
+            q, k, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
+            USE_SOFT_CAP, DOT_PRECISION,
+        )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     kv_ptr,
@@ -674,6 +775,7 @@ def _prefill_kernel(
     stride_od,
     sink_tokens,
     window_tokens,
+    trained_context,
     qk_scale,
     cap_log2e,
     inv_cap_scale,
@@ -734,73 +836,31 @@ def _prefill_kernel(
         q_rows = q_ptr + qi.to(tl.int64) * stride_qn + h * stride_qh
         q_a, q_b, q_p = load_split(q_rows, q_ok, stride_qd, HEAD_DIM, 1.0, False, ROT_DIM,
                                    IS_NEOX, BLOCK_F, BLOCK_P)  # fmt: skip
-        acc, m_i, l_i = _prefill_streaming(
-            q, q_a, q_b, q_p, acc, m_i, l_i, kv_ptr, bt_ptr, starts_row, n_sel, pos, p_min, p_max,
-            seq_len, kv_head, offs_d, d_ok, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
-            stride_page, stride_kv, stride_tok, stride_head, stride_d, stride_btp, stride_sk,
-            sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale,
-            BLOCK_N, BLOCK_K, PAGE_SIZE, USE_SOFT_CAP, DOT_PRECISION, ROT_DIM, IS_NEOX, LO_BITS,
-            BLOCK_F, BLOCK_P, HEAD_DIM, k_scale, v_scale, KV_FP8,
-        )  # fmt: skip
+        # A block whose last query sits below the trained length attends at true positions,
+        # as without the remapping (reference.RopePlan.trained_context).
+        if p_max >= trained_context:
+            acc, m_i, l_i = _prefill_streaming(
+                q, q_a, q_b, q_p, acc, m_i, l_i, kv_ptr, bt_ptr, starts_row, n_sel, pos, p_min,
+                p_max, seq_len, kv_head, offs_d, d_ok, rope_hi_ptr, rope_lo_ptr, rope_bias,
+                rope_n_hi, stride_page, stride_kv, stride_tok, stride_head, stride_d, stride_btp,
+                stride_sk, sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale,
+                BLOCK_N, BLOCK_K, PAGE_SIZE, USE_SOFT_CAP, DOT_PRECISION, ROT_DIM, IS_NEOX,
+                LO_BITS, BLOCK_F, BLOCK_P, HEAD_DIM, k_scale, v_scale, KV_FP8,
+            )  # fmt: skip
+        else:
+            acc, m_i, l_i = _prefill_plain(
+                q, acc, m_i, l_i, kv_ptr, bt_ptr, starts_row, n_sel, pos, p_min, p_max, kv_head,
+                offs_d, d_ok, stride_page, stride_kv, stride_tok, stride_head, stride_d, stride_btp,
+                stride_sk, sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale, BLOCK_N,
+                BLOCK_K, PAGE_SIZE, USE_SOFT_CAP, DOT_PRECISION, k_scale, v_scale, KV_FP8,
+            )  # fmt: skip
     else:
-        # 1. Selected blocks: outside the sink, outside each query's window (which implies
-        #    causal), and past the previous block's end (dedup of overlapping blocks).
-        for v0 in range(0, n_sel, BLOCK_N):
-            vi = v0 + tl.arange(0, BLOCK_N)
-            live = vi < n_sel
-            blk = vi // BLOCK_K
-            start = tl.load(starts_row + blk * stride_sk, mask=live, other=0).to(tl.int32)
-            prev = tl.load(starts_row + (blk - 1) * stride_sk, mask=live & (blk > 0), other=0)
-            prev_end = tl.where(blk > 0, prev.to(tl.int32) + BLOCK_K, 0)
-            t = start + vi % BLOCK_K
-            ok = live & (t >= sink_tokens) & (t >= prev_end) & (t <= p_max - window_tokens)
-            k, v = _load_kv(
-                kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
-                stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
-                k_scale, v_scale, KV_FP8,
-            )  # fmt: skip
-            valid = ok[None, :] & (t[None, :] <= pos[:, None] - window_tokens)
-            acc, m_i, l_i = _attend(
-                q, k, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
-                USE_SOFT_CAP, DOT_PRECISION,
-            )  # fmt: skip
-
-        # 2. Sink: causal only.
-        sink_hi = tl.minimum(sink_tokens, p_max + 1)
-        for t0 in range(0, sink_hi, BLOCK_N):
-            t = t0 + tl.arange(0, BLOCK_N)
-            ok = t < sink_hi
-            k, v = _load_kv(
-                kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
-                stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
-                k_scale, v_scale, KV_FP8,
-            )  # fmt: skip
-            valid = ok[None, :] & (t[None, :] <= pos[:, None])
-            acc, m_i, l_i = _attend(
-                q, k, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
-                USE_SOFT_CAP, DOT_PRECISION,
-            )  # fmt: skip
-
-        # 3. Window: the union of the block's windows, starting past the sink; per query
-        #    (p - n_stream, p].
-        win_lo = tl.maximum(sink_tokens, p_min - window_tokens + 1)
-        for t0 in range(win_lo, p_max + 1, BLOCK_N):
-            t = t0 + tl.arange(0, BLOCK_N)
-            ok = t <= p_max
-            k, v = _load_kv(
-                kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
-                stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
-                k_scale, v_scale, KV_FP8,
-            )  # fmt: skip
-            valid = (
-                ok[None, :]
-                & (t[None, :] <= pos[:, None])
-                & (t[None, :] > pos[:, None] - window_tokens)
-            )
-            acc, m_i, l_i = _attend(
-                q, k, v, valid, acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
-                USE_SOFT_CAP, DOT_PRECISION,
-            )  # fmt: skip
+        acc, m_i, l_i = _prefill_plain(
+            q, acc, m_i, l_i, kv_ptr, bt_ptr, starts_row, n_sel, pos, p_min, p_max, kv_head, offs_d,
+            d_ok, stride_page, stride_kv, stride_tok, stride_head, stride_d, stride_btp, stride_sk,
+            sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale, BLOCK_N, BLOCK_K,
+            PAGE_SIZE, USE_SOFT_CAP, DOT_PRECISION, k_scale, v_scale, KV_FP8,
+        )  # fmt: skip
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_rows = out_ptr + qi[:, None].to(tl.int64) * stride_on + h * stride_oh
@@ -992,6 +1052,7 @@ def sparse_decode_attention(
     bank: tuple[torch.Tensor, torch.Tensor] | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    trained_context: int = 0,
 ) -> torch.Tensor:
     """Block-sparse attention of one decode query per request; returns ``[B, Hq, D]`` in q's dtype.
 
@@ -1012,7 +1073,8 @@ def sparse_decode_attention(
     may reach into the sink, and sink and selected tokens are not deduplicated against each
     other. The rotation tables are built on the first call for the block table's capacity, so
     build them before capturing a graph. NeoX and GPT-J pairing and partial rotary are
-    supported.
+    supported. ``trained_context`` (with ``rope``): a row whose query sits below it attends as
+    without ``rope`` (``reference.RopePlan.trained_context``); 0 streams every row.
 
     With ``row_slots`` (int32 ``[B]``), row ``b`` reads its blocks from row ``row_slots[b]`` of
     ``block_starts`` and ``num_valid_blocks`` (one per state slot; any stride), and a row whose
@@ -1064,8 +1126,9 @@ def sparse_decode_attention(
         part_o, part_lse, hi_t, lo_t, bank_pages, bank_table, bank_pages.stride(0), k_sc, v_sc,
         *q.stride(), *kv_cache.stride(),
         *block_table.stride(), *block_starts.stride(), num_valid_blocks.stride(0),
-        sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale, bias, n_hi,
-        HAS_SLOTS=row_slots is not None, HAS_STATS=stats is not None, HAS_BANK=bank is not None,
+        sink_tokens, window_tokens, trained_context, qk_scale, cap_log2e, inv_cap_scale, bias,
+        n_hi, HAS_SLOTS=row_slots is not None, HAS_STATS=stats is not None,
+        HAS_BANK=bank is not None,
         NUM_HEADS=hq, GROUP=group, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         USE_SOFT_CAP=logit_soft_cap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),
@@ -1097,6 +1160,7 @@ def sparse_prefill_attention(
     rope: RopeTable | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    trained_context: int = 0,
 ) -> torch.Tensor:
     """Block-sparse attention of one request's prefill chunk; returns ``[Nq, Hq, D]`` in q's dtype.
 
@@ -1110,7 +1174,8 @@ def sparse_prefill_attention(
     With ``rope`` the positions follow the StreamingLLM style of §2, per query block, as in
     :func:`sparse_decode_attention`. The result then equals ``reference.sparse_attention`` with a
     ``RopePlan(rope, bsa="streaming")``. Every query of a block sees the same far keys (sink,
-    then selected) and the block's window ``(p_min - n_stream, p]``, causal.
+    then selected) and the block's window ``(p_min - n_stream, p]``, causal. A block whose
+    last query sits below ``trained_context`` attends as without ``rope`` (0: none does).
 
     ``k_scale`` / ``v_scale``: an fp8 cache's dequantization, as in
     :func:`sparse_decode_attention`.
@@ -1123,7 +1188,7 @@ def sparse_prefill_attention(
         q, kv_cache, block_table_row.view(1, -1), blocks, block_starts, block_valid,
         block_size_k=block_size_k, sink_tokens=sink_tokens, window_tokens=window_tokens,
         scale=scale, logit_soft_cap=logit_soft_cap, out=out, rope=rope, k_scale=k_scale,
-        v_scale=v_scale,
+        v_scale=v_scale, trained_context=trained_context,
     )  # fmt: skip
 
 
@@ -1144,6 +1209,7 @@ def sparse_prefill_attention_blocks(
     rope: RopeTable | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    trained_context: int = 0,
 ) -> torch.Tensor:
     """:func:`sparse_prefill_attention` for the query blocks of one or more requests (a step's
     prefill chunks, :class:`query_blocks.QueryBlocks`) in one launch: block ``b`` holds the
@@ -1181,9 +1247,9 @@ def sparse_prefill_attention_blocks(
         q, kv_cache, block_table, blocks.row, blocks.start, blocks.count, blocks.first_pos,
         blocks.slice_end, block_starts, n_valid, out, hi_t, lo_t, k_sc, v_sc,
         *q.stride(), *kv_cache.stride(), *block_table.stride(), *block_starts.stride(),
-        *out.stride(), sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale, bias, n_hi,
-        GROUP=group, BLOCK_SIZE_Q=block_size_q, BLOCK_Q=block_q, HEAD_DIM=d, BLOCK_D=block_d,
-        BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size,
+        *out.stride(), sink_tokens, window_tokens, trained_context, qk_scale, cap_log2e,
+        inv_cap_scale, bias, n_hi, GROUP=group, BLOCK_SIZE_Q=block_size_q, BLOCK_Q=block_q,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size,
         USE_SOFT_CAP=logit_soft_cap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),
         KV_FP8=kv_fp8, num_warps=4 if block_q <= 64 and block_d <= 128 else 8, **rope_meta,
     )  # fmt: skip

@@ -297,6 +297,7 @@ def _decode_select_kernel(
     head_dim,
     sink_tokens,
     scan_window,
+    trained_context,
     stride_qb,
     stride_qh,
     stride_qd,
@@ -384,6 +385,9 @@ def _decode_select_kernel(
         base = offs_c - q_pos
     else:  # relative: every probe key to position 0 (the queries carry the distances)
         base = offs_c * 0
+    # A row below the trained length scores the keys as cached against its true query
+    # (place_queries leaves it unturned): no key turns.
+    remap = seq_len - 1 >= trained_context
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     if KV_FP8:
         k_scale = tl.load(k_scale_ptr)
@@ -417,7 +421,8 @@ def _decode_select_kernel(
                 p_right = mid
             s_left, h1, m1 = _probe(
                 kv_ptr, bt_row, stride_btp, p_left, live, kv_head, qa, qb, qp, offs_d, d_in,
-                head_dim, stride_kpage, stride_ktok, stride_khead, stride_kd, base - p_left,
+                head_dim, stride_kpage, stride_ktok, stride_khead, stride_kd,
+                tl.where(remap, base - p_left, 0),
                 rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr, stride_slot,
                 rows_ptr, row_table_ptr, missed_ptr, missed_rows_ptr, row_state_ptr, stride_row,
                 missed_cap, n_kv_heads, PAGE_SIZE, ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, HAS_BANK,
@@ -425,7 +430,8 @@ def _decode_select_kernel(
             )  # fmt: skip
             s_right, h2, m2 = _probe(
                 kv_ptr, bt_row, stride_btp, p_right, live, kv_head, ra, rb, rp, offs_d, d_in,
-                head_dim, stride_kpage, stride_ktok, stride_khead, stride_kd, base - p_right,
+                head_dim, stride_kpage, stride_ktok, stride_khead, stride_kd,
+                tl.where(remap, base - p_right, 0),
                 rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr, stride_slot,
                 rows_ptr, row_table_ptr, missed_ptr, missed_rows_ptr, row_state_ptr, stride_row,
                 missed_cap, n_kv_heads, PAGE_SIZE, ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, HAS_BANK,
@@ -443,7 +449,8 @@ def _decode_select_kernel(
         if tl.max(single.to(tl.int32), axis=0) > 0:
             s_single, h3, m3 = _probe(
                 kv_ptr, bt_row, stride_btp, left, single, kv_head, qa, qb, qp, offs_d, d_in,
-                head_dim, stride_kpage, stride_ktok, stride_khead, stride_kd, base - left,
+                head_dim, stride_kpage, stride_ktok, stride_khead, stride_kd,
+                tl.where(remap, base - left, 0),
                 rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr, stride_slot,
                 rows_ptr, row_table_ptr, missed_ptr, missed_rows_ptr, row_state_ptr, stride_row,
                 missed_cap, n_kv_heads, PAGE_SIZE, ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, HAS_BANK,
@@ -652,6 +659,7 @@ def _place_queries_kernel(
     head_dim,
     left_turn,
     right_turn,
+    trained_context,
     stride_qb,
     stride_qh,
     stride_qd,
@@ -665,7 +673,8 @@ def _place_queries_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """One row's queries, scaled and turned from their true position to where the style places
-    them: by ``turn - (seq_len - 1)`` in one rotation (rotations compose exactly)."""
+    them: by ``turn - (seq_len - 1)`` in one rotation (rotations compose exactly). A row below
+    ``trained_context`` stays at its true position (a turn by 0 is exact)."""
     b = tl.program_id(0)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -676,12 +685,15 @@ def _place_queries_kernel(
     x = tl.load(row + offs_d[None, :] * stride_qd, mask=m, other=0.0).to(tl.float32) * scale
     xp = tl.load(row + partner[None, :] * stride_qd, mask=m, other=0.0).to(tl.float32) * scale
     pos = tl.load(seq_lens_ptr + b).to(tl.int32) - 1
+    remap = pos >= trained_context
     out = b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :]
-    cos, sin = delta_cos_sin(left_turn - pos + offs_h * 0, h_in, freq, rot, rope_hi_ptr,
+    left_turn = tl.where(remap, left_turn - pos, 0)
+    cos, sin = delta_cos_sin(left_turn + offs_h * 0, h_in, freq, rot, rope_hi_ptr,
                              rope_lo_ptr, rope_bias, rope_n_hi, ROT_DIM // 2, LO_BITS)  # fmt: skip
     tl.store(left_ptr + out, rotate_pairs(x, xp, cos, sin, sign), mask=m)
     if RIGHT:
-        cos, sin = delta_cos_sin(right_turn - pos + offs_h * 0, h_in, freq, rot, rope_hi_ptr,
+        right_turn = tl.where(remap, right_turn - pos, 0)
+        cos, sin = delta_cos_sin(right_turn + offs_h * 0, h_in, freq, rot, rope_hi_ptr,
                                  rope_lo_ptr, rope_bias, rope_n_hi, ROT_DIM // 2,
                                  LO_BITS)  # fmt: skip
         tl.store(right_ptr + out, rotate_pairs(x, xp, cos, sin, sign), mask=m)
@@ -689,7 +701,7 @@ def _place_queries_kernel(
 
 def place_queries(
     q: torch.Tensor, seq_lens: torch.Tensor, scale: float, placement: QueryPlacement,
-    tables: object, out: torch.Tensor,
+    tables: object, out: torch.Tensor, trained_context: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """:func:`decode_queries` as one launch into ``out`` (float32 ``[2, >= B, H, D]``,
     contiguous rows), so that it allocates nothing and can sit in a graph gate's body.
@@ -699,7 +711,8 @@ def place_queries(
     relative = placement.style == ROPE_RELATIVE
     _place_queries_kernel[(batch,)](
         q, seq_lens, left, right, tables.hi, tables.lo, tables.bias, tables.n_hi, scale, hq, d,
-        placement.left_turn, placement.right_turn, *q.stride(), left.stride(0), left.stride(1),
+        placement.left_turn, placement.right_turn, trained_context, *q.stride(), left.stride(0),
+        left.stride(1),
         ROT_DIM=placement.table.rotary_dim, IS_NEOX=placement.table.is_neox, LO_BITS=LO_BITS,
         RIGHT=relative, BLOCK_H=triton.next_power_of_2(hq),
         BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4,
@@ -708,21 +721,25 @@ def place_queries(
 
 
 def decode_queries(
-    q: torch.Tensor, seq_lens: torch.Tensor, scale: float, placement: QueryPlacement
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    q: torch.Tensor, seq_lens: torch.Tensor, scale: float, placement: QueryPlacement,
+    trained_context: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """The scaled fp32 decode queries the pruning stages score with when they are placed by a
-    RoPE style, and the right-branch ones of the relative style (§2); no host sync. The
+    RoPE style, and the right-branch ones of the relative style (§2); rows whose query sits
+    below ``trained_context`` keep it at its true position, on both sides. No host sync. The
     PyTorch reference of :func:`place_queries`."""
     from .rope import apply_rotation, rotate
 
-    qs = q.float() * scale
+    true = q.float() * scale
+    pos = seq_lens.long() - 1
+    remap = (pos >= trained_context).view(-1, 1, 1)
     # un-rotate from the true position, then place where the style says (as run_stages does)
-    qs = rotate(qs, -(seq_lens.long() - 1), placement.table)
+    qs = rotate(true, -pos, placement.table)
     if placement.style == ROPE_CHUNK_INDEXED:
-        return qs, None
+        return torch.where(remap, qs, true), None
     left = apply_rotation(qs, placement.left_cos, placement.left_sin, placement.table)
     right = apply_rotation(qs, placement.right_cos, placement.right_sin, placement.table)
-    return left, right
+    return torch.where(remap, left, true), torch.where(remap, right, true)
 
 
 @dataclass(frozen=True)
@@ -785,7 +802,9 @@ def refresh_masks(
 ) -> None:
     """Rerun every stage at or after each row's refresh level, from its stored input (§1.6).
 
-    ``q`` is ``[B, H_q, D]`` (the decode queries, unscaled, rotated at their true positions);
+    ``q`` is ``[B, H_q, D]`` (the decode queries, unscaled, rotated at their true positions;
+    with ``placement``, a row whose query sits below ``params.rope.trained_context`` is scored
+    at true positions, as without it, chosen on the device);
     ``scores[i]`` is stage ``i``'s scratch, ``[>= B, >= W_i]`` float32 at -inf (left so).
     Launches ``n_stages`` kernels whatever the levels (a stage wider than
     :data:`FUSED_TOP_MAX_CHUNKS`, or every stage with ``reduce_scores``, adds its top-k
@@ -819,6 +838,7 @@ def refresh_masks(
         return
     hkv = kv_cache.shape[3]
     page_size = kv_cache.shape[2]
+    trained = params.rope.trained_context if params.rope is not None else 0
     if placement is not None:
         check_layout(placement.table, d)
         capacity = rows.block_table.shape[1] * page_size
@@ -853,7 +873,7 @@ def refresh_masks(
     with gate or contextlib.nullcontext():
         if placement is not None:  # only a refresh scores: reuse steps skip this too
             q_left, q_right = place_queries(q, rows.seq_lens, scale, placement, tables,
-                                            query_buffers)  # fmt: skip
+                                            query_buffers, trained)  # fmt: skip
         for i, st in enumerate(params.stages):
             width = scores[i].shape[1]
             cand, out, keep, top_meta = _top_args(scores[i], masks, params, i)
@@ -864,7 +884,7 @@ def refresh_masks(
                 q_left, q_left if q_right is None else q_right, kv_cache, rows.block_table,
                 rows.seq_lens, rows.slots, rows.levels, cand, masks.counts, masks.widths,
                 scores[i], *rope_args, bank_pages, bank_table, bank_pages.stride(0), *row_args,
-                k_sc, q_scale, d, params.sink_tokens, params.scan_window,
+                k_sc, q_scale, d, params.sink_tokens, params.scan_window, trained,
                 *q_left.stride(), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
                 kv_cache.stride(4), *rows.block_table.stride(), cand.stride(0), cand.stride(1),
                 masks.counts.stride(0), scores[i].stride(0), arrivals, out, out.stride(0),

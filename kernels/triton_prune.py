@@ -62,6 +62,7 @@ def _probe_scores(
     stride_ktok,
     stride_kd,
     delta,
+    turn,
     rope_hi_ptr,
     rope_lo_ptr,
     rope_bias,
@@ -81,7 +82,8 @@ def _probe_scores(
     """Per position in ``pos``: max over the block's present queries of q·k at that key.
 
     Without ``ROPE`` the queries are ``qa_t`` ``[D, n_q]`` (the other two are unused). With
-    ``ROPE`` each key is first rotated by its ``delta`` (cos/sin from the delta tables), and
+    ``ROPE`` each key is first rotated by its ``delta`` (where ``turn``; else read as cached:
+    a block at true positions; cos/sin from the delta tables), and
     keys and queries come split by the rotation pairs (:func:`triton_rope.load_split`; the
     queries ``[part, n_q]``): one product per part. With ``KV_FP8`` the keys are e4m3,
     dequantized as ``float32(k) * k_scale`` before anything else, so the rest is the fp32-key
@@ -93,6 +95,7 @@ def _probe_scores(
     if ROPE:
         ka, kb, kp = load_split(rows, mask, stride_kd, head_dim, k_scale, KV_FP8, ROT_DIM,
                                 IS_NEOX, BLOCK_F, BLOCK_P)  # fmt: skip
+        delta = tl.where(turn, delta, 0)
         ka, kb = rotate_split(ka, kb, delta, mask, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi,
                               ROT_DIM, LO_BITS, BLOCK_F)  # fmt: skip
         if FAST_DOT:
@@ -183,6 +186,7 @@ def _select_rep_kernel(
     valid_ptr,
     key_limit_ptr,
     base_ptr,
+    turn_ptr,
     rope_hi_ptr,
     rope_lo_ptr,
     out_ptr,
@@ -278,11 +282,13 @@ def _select_rep_kernel(
     valid = (flag != 0) & c_in & (start < limit)
 
     if ROPE:
-        # a probe key at t turns by base - t
+        # a probe key at t turns by base - t, in the blocks that are remapped
         base = tl.load(base_ptr + blk * stride_bb + offs_c * stride_bc, mask=c_in, other=0)
         base = base.to(tl.int32)
-    else:  # placeholder; every use is compiled out
+        turn = tl.load(turn_ptr + blk) != 0
+    else:  # placeholders; every use is compiled out
         base = start
+        turn = False
 
     left = start
     right = tl.minimum(start + CHUNK_SIZE, limit)
@@ -304,15 +310,15 @@ def _select_rep_kernel(
             # Two query sets, so two products per step.
             s_left = _probe_scores(
                 k_head_ptr, block_table_ptr, p_left, live, qa_t, qb_t, qp_t, q_absent, offs_d,
-                d_in, head_dim, stride_kpage, stride_ktok, stride_kd, base - p_left, rope_hi_ptr,
-                rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM,
-                IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
+                d_in, head_dim, stride_kpage, stride_ktok, stride_kd, base - p_left, turn,
+                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION,
+                ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
             )  # fmt: skip
             s_right = _probe_scores(
                 k_head_ptr, block_table_ptr, p_right, live, ra_t, rb_t, rp_t, q_absent, offs_d,
-                d_in, head_dim, stride_kpage, stride_ktok, stride_kd, base - p_right, rope_hi_ptr,
-                rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM,
-                IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
+                d_in, head_dim, stride_kpage, stride_ktok, stride_kd, base - p_right, turn,
+                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION,
+                ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
             )  # fmt: skip
         else:
             # Both halves' probes in one [2 * BLOCK_CHUNK, D] tile: one product per step.
@@ -324,9 +330,9 @@ def _select_rep_kernel(
                 delta = pos
             s = _probe_scores(
                 k_head_ptr, block_table_ptr, pos, need, qa_t, qb_t, qp_t, q_absent, offs_d, d_in,
-                head_dim, stride_kpage, stride_ktok, stride_kd, delta, rope_hi_ptr, rope_lo_ptr,
-                rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM, IS_NEOX,
-                LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
+                head_dim, stride_kpage, stride_ktok, stride_kd, delta, turn, rope_hi_ptr,
+                rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM,
+                IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
             )  # fmt: skip
             s_left, s_right = tl.split(tl.reshape(s, [BLOCK_CHUNK, 2]))
         # Strictly greater goes left, so a tie descends right, as in the reference.
@@ -341,9 +347,9 @@ def _select_rep_kernel(
     if tl.max(single.to(tl.int32), axis=0) > 0:
         s_single = _probe_scores(
             k_head_ptr, block_table_ptr, left, single, qa_t, qb_t, qp_t, q_absent, offs_d, d_in,
-            head_dim, stride_kpage, stride_ktok, stride_kd, base - left, rope_hi_ptr, rope_lo_ptr,
-            rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM, IS_NEOX,
-            LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
+            head_dim, stride_kpage, stride_ktok, stride_kd, base - left, turn, rope_hi_ptr,
+            rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM,
+            IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
         )  # fmt: skip
         best = tl.where(single, s_single, best)
     # Invalid chunks were never live nor single, so they still hold -inf.
@@ -385,6 +391,7 @@ def select_rep_scores_paged(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     block_rows: torch.Tensor | None = None,
+    turn_blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SelectRep chunk scores ``[n_blocks, C]`` float32, equal to ``reference.select_rep_scores``.
 
@@ -409,6 +416,9 @@ def select_rep_scores_paged(
       a row's pages times ``page_size``. That covers ``base`` in ``[-capacity, C]``, which
       holds both ``base = 0`` (relative) and ``base = j - q_pos`` (chunk-indexed). NeoX and
       GPT-J pairing and partial rotary are all supported.
+    - ``turn_blocks`` (``[n_blocks]`` bool, with ``key_rotation``): only those blocks' keys
+      turn; the others are scored as cached (a block at true positions, whose queries the
+      caller left at their true positions too).
 
     Without either option the kernel is compiled exactly as before: no extra loads or products.
 
@@ -482,13 +492,19 @@ def select_rep_scores_paged(
         if max_abs_delta is None:
             max_abs_delta = 2 * block_table.shape[-1] * page_size + c
         tables = delta_tables(rope_table, max_abs_delta, q_pooled.device)
-        rope_args = (base, tables.hi, tables.lo, tables.bias, tables.n_hi)
+        if turn_blocks is None:
+            turn_blocks = torch.ones(nb, dtype=torch.bool, device=base.device)
+        elif turn_blocks.shape != (nb,):
+            raise ValueError(f"turn_blocks {tuple(turn_blocks.shape)} must be [{nb}]")
+        if turn_blocks.dtype == torch.bool:
+            turn_blocks = turn_blocks.view(torch.uint8)  # same bytes; avoids i1 pointers
+        rope_args = (base, turn_blocks, tables.hi, tables.lo, tables.bias, tables.n_hi)
         block_f, block_p = split_blocks(rope_table.rotary_dim, d)
         rope_meta = dict(ROPE=True, ROT_DIM=rope_table.rotary_dim, IS_NEOX=rope_table.is_neox,
                          BLOCK_F=block_f, BLOCK_P=block_p)  # fmt: skip
     else:
         # Placeholders for the compiled-out rotation (any tensor; never read).
-        rope_args = (starts, starts, starts, 0, 1)
+        rope_args = (starts, starts, starts, starts, 0, 1)
         rope_meta = dict(ROPE=False, ROT_DIM=0, IS_NEOX=True, BLOCK_F=16, BLOCK_P=0)
     if nb == 0 or c == 0:
         return per_head_out.new_empty(nb, c)
@@ -511,7 +527,7 @@ def select_rep_scores_paged(
             raise ValueError(f"block_rows {tuple(block_rows.shape)} must be [{nb}] rows of a "
                              f"[rows, pages] block_table, not {tuple(block_table.shape)}")  # fmt: skip
         stride_btr = block_table.stride(0)
-    base_t, hi_t, lo_t, bias, n_hi = rope_args
+    base_t, turn_t, hi_t, lo_t, bias, n_hi = rope_args
     grid = (nb, triton.cdiv(c, block_chunk), hq)
     _select_rep_kernel[grid](
         q_pooled,
@@ -523,6 +539,7 @@ def select_rep_scores_paged(
         valid,
         key_limit,
         base_t,
+        turn_t,
         hi_t,
         lo_t,
         per_head_out,
@@ -650,8 +667,9 @@ def run_stages_blocks(
     RoPE remapping (``params.rope`` with ``pruning`` ``"relative"`` or ``"chunk-indexed"``, §2)
     is done as the reference does it. The queries are un-rotated from their true positions and
     placed by torch (small tensors). Each probe key is moved in-kernel from its true position
-    (see :func:`select_rep_scores_paged`). The rotation tables are sized by the block table's
-    capacity and built on the first call.
+    (see :func:`select_rep_scores_paged`). Blocks whose last query sits below
+    ``rope.trained_context`` keep true positions (queries and keys as given). The rotation
+    tables are sized by the block table's capacity and built on the first call.
 
     ``k_scale`` / ``v_scale``: an fp8 cache's dequantization (:func:`select_rep_scores_paged`);
     the result then equals :func:`reference.run_stages` on the dequantized keys.
@@ -686,6 +704,7 @@ def run_stages_blocks(
     # the blocks' queries, padded, as consecutive rows: any finer blocks are a reshape
     rows, present, positions = stage_blocks.padded_queries(q)
     hq, d = q.shape[1], q.shape[2]
+    true_rows = rows
     if style != "none":
         table = rope_table_on(rope.table, device)
         # Score un-rotated queries, placed below where the style says (as the reference).
@@ -702,13 +721,23 @@ def run_stages_blocks(
         n_blocks = key_limit.shape[0]
         keep = min(st.keep_tokens // st.chunk_size, c)
         pooling = (st.block_size_q, st.query_stride)
+        # Blocks below the trained length score their true queries against the keys as cached,
+        # as without the remapping (chosen on device: no sync).
+        turn = None if style == "none" else rope.remaps(stage_blocks.first_pos
+                                                        + stage_blocks.count - 1)  # fmt: skip
         if pooling not in pooled:
-            qp = pool_block_queries(rows.view(-1, st.block_size_q, hq, d),
-                                    present.view(-1, st.block_size_q), st.query_stride) * scale
+            shape, groups = (-1, st.block_size_q, hq, d), present.view(-1, st.block_size_q)
+            qp = pool_block_queries(rows.view(shape), groups, st.query_stride) * scale
             if style == "relative":
                 pooled[pooling] = ref.relative_queries(qp, table, sw)
             else:
                 pooled[pooling] = (qp, None)
+            if turn is not None:
+                true_qp = pool_block_queries(true_rows.view(shape), groups,
+                                             st.query_stride) * scale  # fmt: skip
+                at = turn.view(-1, 1, 1, 1)
+                pooled[pooling] = tuple(None if x is None else torch.where(at, x, true_qp)
+                                        for x in pooled[pooling])  # fmt: skip
         q_left, q_right = pooled[pooling]
         rotation = None
         if style == "relative":  # every probe key to position 0
@@ -731,6 +760,7 @@ def run_stages_blocks(
             k_scale=k_scale,
             v_scale=v_scale,
             block_rows=stage_blocks.row,
+            turn_blocks=turn,
         )
         if reduce_scores is not None:
             scores = reduce_scores(scores)

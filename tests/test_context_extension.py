@@ -2,7 +2,8 @@
 
 A tiny random Llama whose config says it was trained on 2048 tokens is served with
 --max-model-len 4096: the plugin raises vLLM's rotary cache, records the trained length, turns the
-RoPE remapping on, and a 3000-token prompt runs the sparse, remapped path. Retrieval quality past
+RoPE remapping on, and a 4000-token prompt runs the sparse, remapped path; a prompt inside the
+trained length runs sparse at true positions, as without the remapping. Retrieval quality past
 the trained length needs a real model: benchmarks/passkey.py measures it.
 """
 
@@ -32,25 +33,44 @@ def short_trained_model(tiny_model, tmp_path_factory) -> str:
     return str(model)
 
 
-def test_serving_past_the_trained_length_runs_remapped(short_trained_model, tmp_path):
-    hip = {"sink_tokens": 32, "window_tokens": 256, "dense_threshold": 512, "dense_layers": [0],
-           "dense_layer_keep_tokens": 512,
-           "stages": [{"chunk_size": 64, "keep_tokens": 1024, "block_size_q": 32},
-                      {"chunk_size": 16, "keep_tokens": 512, "block_size_q": 32},
-                      {"chunk_size": 8, "keep_tokens": 256, "block_size_q": 32}]}
-    engine = {**ENGINE_KW, "max_model_len": 4096,
-              "additional_config": {"infinitehip": hip}}
-    prompt = "tale " + " ".join(f"w{i % 89}" for i in range(1400)) + " and then"
-    short = "tale " + " ".join(f"w{i % 89}" for i in range(120)) + " and then"  # < dense_threshold
-    spec = {"engine": engine, "prompts": [prompt, short], "max_tokens": 8, "report": True,
-            "recall": True}
-    out = generate_in_subprocess(short_trained_model, "infinitehip", spec, tmp_path, "hip")
+# Sparse prefill from 512 tokens ("prefill_dense_threshold": None), so a prompt inside the
+# trained length is pruned and attended sparsely too.
+HIP = {"sink_tokens": 32, "window_tokens": 256, "dense_threshold": 512, "dense_layers": [0],
+       "dense_layer_keep_tokens": 512, "prefill_dense_threshold": None,
+       "stages": [{"chunk_size": 64, "keep_tokens": 1024, "block_size_q": 32},
+                  {"chunk_size": 16, "keep_tokens": 512, "block_size_q": 32},
+                  {"chunk_size": 8, "keep_tokens": 256, "block_size_q": 32}]}
+
+
+def _words(n: int) -> str:
+    return "tale " + " ".join(f"w{i % 89}" for i in range(n)) + " and then"
+
+
+LONG = _words(1400)  # ~4000 tokens: past the trained length
+SHORT = _words(120)  # < dense_threshold
+INSIDE = _words(560)  # ~1600 tokens: sparse, inside the trained length, decode included
+
+
+@pytest.fixture(scope="module")
+def extended_run(short_trained_model, tmp_path_factory) -> dict:
+    """One engine serving past the trained length (RoPE extension on), every prompt of the
+    tests below."""
+    engine = {**ENGINE_KW, "max_model_len": 4096, "additional_config": {"infinitehip": HIP}}
+    spec = {"engine": engine, "prompts": [LONG, SHORT, INSIDE], "max_tokens": 8,
+            "report": True, "recall": True}
+    return generate_in_subprocess(short_trained_model, "infinitehip", spec,
+                                  tmp_path_factory.mktemp("extended"), "hip")  # fmt: skip
+
+
+def test_serving_past_the_trained_length_runs_remapped(extended_run, short_trained_model,
+                                                       tmp_path):  # fmt: skip
+    out = extended_run
     assert len(out["tokens"][0]) == 8
     # With the remapping on, a prompt under the dense threshold is still exact dense attention at
     # true positions: the default backend, with the same rotary cache, gives the same tokens.
     default = {**ENGINE_KW, "max_model_len": 4096,
                "hf_overrides": {"max_position_embeddings": 4096}}
-    spec = {"engine": default, "prompts": [short], "max_tokens": 8}
+    spec = {"engine": default, "prompts": [SHORT], "max_tokens": 8}
     assert out["tokens"][1] == generate_in_subprocess(
         short_trained_model, "default", spec, tmp_path, "default"
     )[0]
@@ -65,6 +85,35 @@ def test_serving_past_the_trained_length_runs_remapped(short_trained_model, tmp_
     assert {r["query"] for r in recall} == {"final-prompt", "decode"}
     assert all(0.0 <= r["recall_remapped_min_head"] <= r["recall_remapped"] <= 1.0 + 1e-6
                for r in recall)  # fmt: skip
+
+
+def test_a_prompt_inside_the_trained_length_runs_as_without_extension(
+    extended_run, short_trained_model, tmp_path
+):
+    """Sparse prefill and decode of a prompt that stays inside the trained length keep true
+    positions with extension on (only queries past it are remapped): the same greedy tokens as
+    the same engine with ``"rope_extension": false``, and, since the tiny random model's tokens
+    hardly depend on attention, the same selections (each logged query's recall, every layer)."""
+    engine = {**ENGINE_KW, "max_model_len": 4096,
+              "additional_config": {"infinitehip": {**HIP, "rope_extension": False}}}
+    # the same prompts, so that the steps (chunks, batches) are the same ones
+    spec = {"engine": engine, "prompts": [LONG, SHORT, INSIDE], "max_tokens": 8,
+            "report": True, "recall": True}
+    off = generate_in_subprocess(short_trained_model, "infinitehip", spec, tmp_path, "off")
+    assert off["tokens"][2] == extended_run["tokens"][2]
+
+    def inside(run: dict) -> list[dict]:  # INSIDE's queries: the only sparse ones below 2048
+        return [r for r in run["report"]["recall"] if r["seq_len"] < TRAINED]
+
+    keys = ("query", "layer", "seq_len", "recall", "recall_min_head")
+    on, off = inside(extended_run), inside(off)
+    assert {r["query"] for r in on} == {"final-prompt", "decode"}
+    assert [[r[k] for k in keys] for r in on] == [[r[k] for k in keys] for r in off]
+    # measured against the positions used: the true ones below the trained length...
+    assert all(r["recall_remapped"] == r["recall"] for r in on)
+    # ...and the remapped ones past it
+    past = [r for r in extended_run["report"]["recall"] if r["seq_len"] > TRAINED]
+    assert past and any(r["recall_remapped"] != r["recall"] for r in past)
 
 
 def test_unsupported_rope_type_names_the_flag(tmp_path, short_trained_model):

@@ -1,5 +1,6 @@
 """RoPE remapping in the reference (INFINITEHIP.md §2) on keys cached already rotated."""
 
+import pytest
 import torch
 
 from vllm_infinitehip.kernels import reference as ref
@@ -113,3 +114,67 @@ def test_streaming_matches_plain_attention_when_nothing_moves():
     prune = ref.PruneResult(starts, torch.ones_like(starts, dtype=torch.bool), [])
     out, _, _ = ref.sparse_attention(p, q, k, v, pos, 0.2, prune=prune)
     torch.testing.assert_close(out, ref.dense_attention(q, k, v, pos, 0.2), rtol=1e-4, atol=1e-4)
+
+
+def _with_trained(p, trained):
+    import dataclasses
+
+    return dataclasses.replace(p, rope=dataclasses.replace(p.rope, trained_context=trained))
+
+
+def _without_rope(p):
+    import dataclasses
+
+    return dataclasses.replace(p, rope=None)
+
+
+@pytest.mark.parametrize("pruning", ["relative", "chunk-indexed"])
+def test_blocks_inside_the_trained_length_keep_true_positions(pruning):
+    # A prefill chunk of 80 queries (5 blocks of 16) at 1120..1199 with the trained length at
+    # 1160: blocks 0-1 end below it and must be scored and attended exactly as without the
+    # remapping; block 2 holds position 1160 and blocks 2-4 exactly as the remapping does.
+    t, nq, trained = 1200, 80, 1160
+    _, _, q, k, pos = _cached_and_raw(t, nq, seed=6)
+    v = raw_qkv(t, nq, seed=7)[2]
+    remapped_p = params(pruning=pruning)
+    p = _with_trained(remapped_p, trained)
+    got = ref.run_stages(p, q, k, pos, 0.2)
+    plain = ref.run_stages(_without_rope(p), q, k, pos, 0.2)
+    remapped = ref.run_stages(remapped_p, q, k, pos, 0.2)
+    below, above = slice(0, 2), slice(2, 5)
+    assert torch.equal(got.block_starts[below], plain.block_starts[below])
+    assert torch.equal(got.block_valid[below], plain.block_valid[below])
+    assert torch.equal(got.block_starts[above], remapped.block_starts[above])
+    assert torch.equal(got.block_valid[above], remapped.block_valid[above])
+    # the remapping does change the selection here, so the checks above can tell them apart
+    assert not torch.equal(plain.block_starts, remapped.block_starts)
+
+    out, _, attended = ref.sparse_attention(p, q, k, v, pos, 0.2, prune=got)
+    want_plain, _, n_plain = ref.sparse_attention(_without_rope(p), q, k, v, pos, 0.2, prune=got)
+    want_remap, _, n_remap = ref.sparse_attention(remapped_p, q, k, v, pos, 0.2, prune=got)
+    assert torch.equal(out[:32], want_plain[:32])
+    assert torch.equal(out[32:], want_remap[32:])
+    assert not torch.allclose(want_plain[32:], want_remap[32:], atol=1e-3)
+    assert n_plain <= attended <= n_remap
+
+    # every block below the trained length: the whole request runs as without the remapping
+    all_below = _with_trained(remapped_p, t)
+    got = ref.run_stages(all_below, q, k, pos, 0.2)
+    assert torch.equal(got.block_starts, plain.block_starts)
+    out, _, attended = ref.sparse_attention(all_below, q, k, v, pos, 0.2, prune=got)
+    want, _, n = ref.sparse_attention(_without_rope(p), q, k, v, pos, 0.2, prune=got)
+    assert torch.equal(out, want) and attended == n
+
+
+def test_recall_inside_the_trained_length_is_against_true_positions():
+    t, nq = 1200, 2
+    _, _, q, k, pos = _cached_and_raw(t, nq, seed=8)  # queries at 1198 and 1199
+    p = _with_trained(params(pruning="relative"), 1199)
+    prune = ref.run_stages(p, q, k, pos, 0.2)
+    mask = ref.sparse_key_mask(p, t, pos, prune.block_starts, prune.block_valid)
+    got = ref.remapped_attention_recall(p, q, k, pos, mask, 0.2)
+    true = ref.attention_recall(q, k, pos, mask, 0.2)
+    remapped = ref.remapped_attention_recall(_with_trained(p, 0), q, k, pos, mask, 0.2)
+    assert torch.equal(got[0], true[0])
+    assert torch.equal(got[1], remapped[1])
+    assert not torch.allclose(true[1], remapped[1], atol=1e-4)

@@ -428,6 +428,56 @@ def test_triton_ops_match_the_reference_through_backend_calls(pruning, nq, after
     assert int(attended) > 0
 
 
+@pytest.mark.parametrize("pruning", ["relative", "chunk-indexed"])
+def test_triton_ops_keep_blocks_inside_the_trained_length_at_true_positions(pruning):
+    """48 queries at 752..799 in blocks of 16, trained length 776: the first block (last query
+    767) is pruned and attended as without the remapping, the others as with it, in the
+    reference and in the kernels alike."""
+    import dataclasses
+
+    seq_len, nq, hq, hkv, d, scale = 800, 48, 8, 2, 64, 0.125
+    gen = torch.Generator().manual_seed(23)
+    kv, table = paged_cache([seq_len], 16, hkv, d, torch.float32, gen)
+    rope = NEOX64
+    k, v = ref.gather_paged_kv(kv, table[0], seq_len)
+    t = torch.arange(seq_len, device=DEVICE)
+    slots = table[0][t // 16].long() * 16 + t % 16
+    ref.write_paged_kv(kv, rotate(k, t, rope), v, slots)
+    pos = torch.arange(seq_len - nq, seq_len, device=DEVICE)
+    q = rotate(torch.randn(nq, hq, d, generator=gen), pos.cpu(), rope).to(DEVICE)
+    stages = (ref.StageParams(32, 256, 16, 4), ref.StageParams(8, 96, 16, 4),
+              ref.StageParams(4, 48, 16, 1))  # fmt: skip
+    remapping = ref.RopePlan(rope, pruning, "streaming")
+    plain_p = ref.PruneParams(16, 64, stages, "midpoint", None)
+    remap_p = dataclasses.replace(plain_p, rope=remapping)
+    params = dataclasses.replace(plain_p, rope=dataclasses.replace(remapping, trained_context=776))
+    req = ops.RequestKV(kv, table[0], seq_len)
+    reference, triton_ops = ops.ReferenceOps(), ops.TritonOps()
+
+    def run(o, p, prune=None):
+        prune = o.prune(p, req, q, pos, scale) if prune is None else prune
+        return prune, o.attend(p, req, q, pos, scale, prune, seq_len)[0]
+
+    want_prune, want = run(reference, params)
+    plain_prune, _ = run(reference, plain_p)
+    remap_prune, _ = run(reference, remap_p)
+    for rows, path in ((slice(0, 1), plain_prune), (slice(1, 3), remap_prune)):
+        assert torch.equal(want_prune.block_starts[rows], path.block_starts[rows])
+    assert not torch.equal(plain_prune.block_starts[:1], remap_prune.block_starts[:1])
+    _, plain = run(reference, plain_p, want_prune)
+    _, remapped = run(reference, remap_p, want_prune)
+    assert torch.equal(want[:16], plain[:16]) and torch.equal(want[16:], remapped[16:])
+
+    got_prune, got = run(triton_ops, params)
+    gv = got_prune.block_valid.cpu()
+    assert torch.equal(gv, want_prune.block_valid.cpu())
+    assert torch.equal(got_prune.block_starts.cpu()[gv], want_prune.block_starts.cpu()[gv])
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=1e-4)
+    # ...and the first block's rows are the kernels' own true-position result
+    _, got_plain = run(triton_ops, plain_p, got_prune)
+    torch.testing.assert_close(got[:16], got_plain[:16], rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- GPU, real shapes
 # --------------------------------------------------------------------------- batched prefill
 @pytest.mark.parametrize(

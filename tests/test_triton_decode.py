@@ -517,3 +517,78 @@ def test_key_row_bank_lists_misses_promotes_them_and_serves_the_next_refresh():
     small.invalidate(torch.unique(listed[1:].long() // (page * hkv))[:3])
     left = _key_rows_consistent(small, cache)
     assert left < after_write and int(small.occupancy()[0]) == left
+
+
+@pytest.mark.parametrize("rope_style", ["relative", "chunk-indexed"])
+def test_rows_inside_the_trained_length_keep_true_positions(rope_style):
+    """A batch mixing rows below and past the trained length (2000): each row's masks and
+    attention are what its own path gives, true positions below (as without a remapping),
+    the remapping past it; the kernels equal the reference on the mixed batch."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(31)
+    hq, hkv, d, page = 4, 2, 32, 16
+    remapping = rope_plan(rope_style, d)
+    rope = dataclasses.replace(remapping, trained_context=2000)
+    params = small_params(rope)
+    seq_lens = [1500, 2900, 2000, 5000, 2001]  # queries at 1499, 2899, 1999, 4999, 2000
+    below, past = [0, 2], [1, 3, 4]
+    cache, table, q = batch(seq_lens, hq, hkv, d, page, gen)
+    scale = d**-0.5
+    slots, levels = [0, 1, 2, 3, 4], [0] * 5
+    rows_cpu = rows_on("cpu", table, seq_lens, slots, levels)
+    cpu = torch.device("cpu")
+
+    def reference(p):
+        masks = dec.DecodeMasks.allocate(p, 64, 5, cpu)
+        dec.refresh_masks_reference(p, masks, q, cache, rows_cpu, scale)
+        out, _ = dec.attend_reference(p, masks, q, cache, rows_cpu, scale)
+        return masks, out
+
+    want, want_out = reference(params)
+    plain, plain_out = reference(small_params(None))
+    remapped, remapped_out = reference(small_params(remapping))
+    assert_masks_equal(want, plain, below)
+    assert_masks_equal(want, remapped, past)
+    assert not torch.equal(plain.final[below], remapped.final[below])  # the paths differ here
+    assert torch.equal(want_out[below], plain_out[below])
+    assert torch.equal(want_out[past], remapped_out[past])
+
+    dev = torch.device(DEVICE)
+    got = dec.DecodeMasks.allocate(params, 64, 5, dev)
+    scores = dec.allocate_scores(dec.stage_widths(params, 6000), 8, dev)
+    placement = td.QueryPlacement.build(rope_style, rope.table, params.scan_window, dev)
+    rows = rows_on(DEVICE, table, seq_lens, slots, levels)
+    td.refresh_masks(params, got, q.to(dev), cache.to(dev), rows, scale, scores, placement)
+    assert_masks_equal(got, want, slots)
+    out = triton_bsa.sparse_decode_attention(
+        q.to(dev), cache.to(dev), rows.block_table, rows.seq_lens, got.final,
+        got.final_counts(), block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
+        window_tokens=params.window_tokens, scale=scale, rope=rope.table, row_slots=rows.slots,
+        trained_context=rope.trained_context,
+    )  # fmt: skip
+    torch.testing.assert_close(out.cpu(), want_out, rtol=2e-4, atol=2e-5)
+
+
+def test_place_queries_leaves_rows_inside_the_trained_length_at_true_positions():
+    from vllm_infinitehip.kernels.triton_rope import delta_tables
+
+    gen = torch.Generator().manual_seed(9)
+    d, hq = 32, 4
+    table = RopeTable.default(d, 10000.0)
+    placement = td.QueryPlacement.build("relative", table, 768, torch.device(DEVICE))
+    q = torch.randn(3, hq, d, generator=gen)
+    seq_lens = torch.tensor([1500, 1501, 40], dtype=torch.int32)  # trained 1500: only row 1
+    reference = td.QueryPlacement.build("relative", table, 768, torch.device("cpu"))
+    want_l, want_r = td.decode_queries(q, seq_lens, 0.17, reference, 1500)
+    all_l, all_r = td.decode_queries(q, seq_lens, 0.17, reference)
+    for want in (want_l, want_r):
+        assert torch.equal(want[[0, 2]], q[[0, 2]] * 0.17)
+    assert torch.equal(want_l[1], all_l[1]) and torch.equal(want_r[1], all_r[1])
+    out = torch.empty(2, 3, hq, d, device=DEVICE)
+    tables = delta_tables(table, 4000, torch.device(DEVICE))
+    got_l, got_r = td.place_queries(q.to(DEVICE), seq_lens.to(DEVICE), 0.17, placement, tables,
+                                    out, 1500)  # fmt: skip
+    assert torch.equal(got_l.cpu()[[0, 2]], want_l[[0, 2]])  # a turn by 0 is exact
+    assert torch.allclose(got_l.cpu(), want_l, rtol=0, atol=2e-5)
+    assert torch.allclose(got_r.cpu(), want_r, rtol=0, atol=2e-5)

@@ -546,6 +546,44 @@ def test_run_stages_paged_with_rope_equals_reference(pruning, nq, hkv, page, pro
     assert_same_resume(params, q, k, cache, block_table, pos, scale, want)
 
 
+@pytest.mark.parametrize("pruning", ["relative", "chunk-indexed"])
+def test_run_stages_paged_keeps_blocks_inside_the_trained_length_at_true_positions(pruning):
+    """48 queries at 1052..1099 in blocks of 16, trained length 1076: the first block ends
+    below it and selects as without the remapping, the others (1076 is in the second) as with
+    it; the kernel equals the reference on the mixed chunk, and a coarse first stage (blocks
+    of 32: the first ends at 1083) decides by its own blocks' last queries."""
+    import dataclasses
+
+    t, nq, hq, hkv, d, scale = 1100, 48, 8, 2, 64, 0.125
+    table = RopeTable.default(d, 10000.0)
+    gen = torch.Generator().manual_seed(17)
+    k = rotate(torch.randn(t, hkv, d, generator=gen), torch.arange(t), table)
+    cache, block_table = paged_cache(k, 16, gen)
+    pos = torch.arange(t - nq, t)
+    q = rotate(torch.randn(nq, hq, d, generator=gen), pos, table)
+    remapping = rope_params(pruning, "midpoint", table)
+    params = dataclasses.replace(
+        remapping, rope=dataclasses.replace(remapping.rope, trained_context=1076))
+
+    want = ref.run_stages(params, q, k, pos, scale)
+    plain = ref.run_stages(small_params("midpoint"), q, k, pos, scale)
+    remapped = ref.run_stages(remapping, q, k, pos, scale)
+    for rows, path in ((slice(0, 1), plain), (slice(1, 3), remapped)):
+        assert torch.equal(want.block_valid[rows], path.block_valid[rows])
+        assert torch.equal(want.block_starts[rows], path.block_starts[rows])
+    assert not torch.equal(plain.block_starts[:1], remapped.block_starts[:1])
+    got = tp.run_stages_paged(params, q.to(DEVICE), cache, block_table, pos.to(DEVICE), scale,
+                              seq_len=t)  # fmt: skip
+    assert_same_selection(got, want)
+
+    coarse = dataclasses.replace(params, stages=(
+        dataclasses.replace(params.stages[0], block_size_q=32), *params.stages[1:]))
+    want = ref.run_stages(coarse, q, k, pos, scale)
+    got = tp.run_stages_paged(coarse, q.to(DEVICE), cache, block_table, pos.to(DEVICE), scale,
+                              seq_len=t)  # fmt: skip
+    assert_same_selection(got, want)
+
+
 def test_run_stages_paged_pruning_none_keeps_cached_positions():
     # pruning="none" (a RopePlan for BSA only) scores the cached vectors as they are.
     t, nq, scale = 500, 16, 0.2

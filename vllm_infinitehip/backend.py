@@ -769,13 +769,15 @@ class InfiniteHiPImpl(AttentionImpl):
                                                          refresh_only=True)  # fmt: skip
 
     def _rope_plan(self, layer_index: int) -> ref.RopePlan | None:
-        """This layer's position remapping when extending past the trained length (§2)."""
+        """This layer's position remapping when extending past the trained length (§2); queries
+        inside the trained length keep their true positions."""
         if self._rope_table is None:
             return None
         return ref.RopePlan(
             table=self._rope_table,
             pruning=self.config.rope_pruning_for_layer(layer_index),
             bsa=self.config.rope_bsa,
+            trained_context=self.trained_context,
         )
 
     # ---------------------------------------------------------------- per step
