@@ -245,7 +245,7 @@ class TritonOps:
             block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
             window_tokens=params.window_tokens, scale=scale, out=out,
             rope=params.rope.table if streaming else None, k_scale=k_scale, v_scale=v_scale,
-            trained_context=_trained(params),
+            trained_context=params.remap_from,
         )  # fmt: skip
         present, positions = fine.query_rows()
         return _budget_pairs(params, streaming, present, positions, fine.first_pos,
@@ -277,7 +277,7 @@ class TritonOps:
             block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
             window_tokens=params.window_tokens, scale=scale,
             rope=params.rope.table if streaming else None, k_scale=req.k_scale,
-            v_scale=req.v_scale, trained_context=_trained(params),
+            v_scale=req.v_scale, trained_context=params.remap_from,
         )  # fmt: skip
         blk = torch.arange(q.shape[0], device=q.device) // params.block_size_q
         first = positions[blk * params.block_size_q]
@@ -311,13 +311,8 @@ class TritonOps:
             window_tokens=params.window_tokens, scale=scale, out=out,
             rope=params.rope.table if streaming else None, row_slots=rows.slots, stats=pairs,
             workspace=scratch.workspace, bank=scratch.bank, k_scale=k_scale, v_scale=v_scale,
-            trained_context=_trained(params),
+            trained_context=params.remap_from,
         )  # fmt: skip
-
-
-def _trained(params: ref.PruneParams) -> int:
-    """Where the layer's remapping starts (``RopePlan.trained_context``; 0: everywhere)."""
-    return params.rope.trained_context if params.rope is not None else 0
 
 
 def _part_request(p, kv_cache: torch.Tensor, block_table: torch.Tensor,

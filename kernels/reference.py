@@ -98,6 +98,12 @@ class PruneParams:
         """sw' of §1.3: the window shrunk by one stage-1 chunk during the scan."""
         return self.window_tokens - self.stages[0].chunk_size
 
+    @property
+    def remap_from(self) -> int:
+        """The first query position the layer remaps (``RopePlan.trained_context``); 0 without a
+        remapping, as the kernels take it (they only read it with a RoPE table)."""
+        return self.rope.trained_context if self.rope is not None else 0
+
 
 @dataclass
 class Candidates:

@@ -838,7 +838,7 @@ def refresh_masks(
         return
     hkv = kv_cache.shape[3]
     page_size = kv_cache.shape[2]
-    trained = params.rope.trained_context if params.rope is not None else 0
+    trained = params.remap_from
     if placement is not None:
         check_layout(placement.table, d)
         capacity = rows.block_table.shape[1] * page_size

@@ -366,6 +366,18 @@ def test_prefill_streaming_matches_reference(name):
     assert float((plain - want).abs().max()) > 1e-2, "the positions must matter in this case"
 
 
+def _rotated_request(seq_len, pos, hq, hkv, d, rope, gen):
+    """One request's paged cache and queries ``[len(pos), hq, d]`` as vLLM caches and hands them
+    over: rotated at their true positions."""
+    kv, table = paged_cache([seq_len], 16, hkv, d, torch.float32, gen)
+    k, v = ref.gather_paged_kv(kv, table[0], seq_len)
+    t = torch.arange(seq_len, device=DEVICE)
+    slots = table[0][t // 16].long() * 16 + t % 16
+    ref.write_paged_kv(kv, rotate(k, t, rope), v, slots)
+    q = rotate(torch.randn(pos.shape[0], hq, d, generator=gen), pos.cpu(), rope).to(DEVICE)
+    return kv, table, q
+
+
 @pytest.mark.parametrize(
     "pruning,nq,after",
     [("relative", 40, 0), ("chunk-indexed", 1, 0), ("relative", 40, 24), (None, 40, 24)],
@@ -382,15 +394,9 @@ def test_triton_ops_match_the_reference_through_backend_calls(pruning, nq, after
     """
     seq_len, hq, hkv, d, scale = 800, 8, 2, 64, 0.125
     gen = torch.Generator().manual_seed(nq)
-    kv, table = paged_cache([seq_len], 16, hkv, d, torch.float32, gen)
     rope = NEOX64
-    # what vLLM caches and hands over: vectors rotated at their true positions
-    k, v = ref.gather_paged_kv(kv, table[0], seq_len)
-    t = torch.arange(seq_len, device=DEVICE)
-    slots = table[0][t // 16].long() * 16 + t % 16
-    ref.write_paged_kv(kv, rotate(k, t, rope), v, slots)
     pos = torch.arange(seq_len - after - nq, seq_len - after, device=DEVICE)
-    q = rotate(torch.randn(nq, hq, d, generator=gen), pos.cpu(), rope).to(DEVICE)
+    kv, table, q = _rotated_request(seq_len, pos, hq, hkv, d, rope, gen)
     stages = (ref.StageParams(32, 256, 16, 4), ref.StageParams(8, 96, 16, 4),
               ref.StageParams(4, 48, 16, 1))  # fmt: skip
     plan = ref.RopePlan(rope, pruning, "streaming") if pruning else None
@@ -437,14 +443,9 @@ def test_triton_ops_keep_blocks_inside_the_trained_length_at_true_positions(prun
 
     seq_len, nq, hq, hkv, d, scale = 800, 48, 8, 2, 64, 0.125
     gen = torch.Generator().manual_seed(23)
-    kv, table = paged_cache([seq_len], 16, hkv, d, torch.float32, gen)
     rope = NEOX64
-    k, v = ref.gather_paged_kv(kv, table[0], seq_len)
-    t = torch.arange(seq_len, device=DEVICE)
-    slots = table[0][t // 16].long() * 16 + t % 16
-    ref.write_paged_kv(kv, rotate(k, t, rope), v, slots)
     pos = torch.arange(seq_len - nq, seq_len, device=DEVICE)
-    q = rotate(torch.randn(nq, hq, d, generator=gen), pos.cpu(), rope).to(DEVICE)
+    kv, table, q = _rotated_request(seq_len, pos, hq, hkv, d, rope, gen)
     stages = (ref.StageParams(32, 256, 16, 4), ref.StageParams(8, 96, 16, 4),
               ref.StageParams(4, 48, 16, 1))  # fmt: skip
     remapping = ref.RopePlan(rope, pruning, "streaming")
