@@ -42,6 +42,10 @@ tail -1 "$RESULTS/kernel-tests.log"
 timeout 300 python3 benchmarks/prefill_breakdown.py --contexts 524288 --rope off relative \
   --variants default --first-stage-block 64 --out "$RESULTS/prefill-breakdown" \
   > "$RESULTS/prefill-breakdown.log" 2>&1
+# The decode kernels now choose per row between true and remapped positions: their time against
+# decode-breakdown-gpu-2026-12-02-ext (131072, relative: amortized 33.7 us, reuse in a graph 23.2 us)
+timeout 200 python3 benchmarks/decode_breakdown.py --contexts 131072 --rope-pruning relative \
+  --variants default --out "$RESULTS/decode-breakdown" > "$RESULTS/decode-breakdown.log" 2>&1
 ruler="python3 benchmarks/ruler.py --model qwen2.5-coder-0.5b --n 20 --device gpu --cache $RULER_CACHE"
 rest_4x="niah_multikey_3 niah_multivalue niah_multiquery vt cwe fwe qa_1 qa_2"
 j() { printf "'%s' " "$@"; }  # each argument one JSON config, quoted for the eval below
