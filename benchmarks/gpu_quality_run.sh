@@ -22,6 +22,10 @@
 #   positions (no remapping), which changes infinitehip's 1x score, the targets' reference;
 # - RULER's last cells at 2x (fwe had 8 samples) and at 4x (infinitehip, two halves), and the
 #   default backend's at 4x;
+# - then, in 1x's slot, RULER at 2x with a 4096-token window on the four tasks 2x lost most
+#   against 1x (niah_single_2 85 -> 65, niah_multikey_1 40 -> 20, niah_multikey_2 15 -> 0,
+#   niah_multiquery 76 -> 50): on the CPU that window lifts the decode steps' recall under the
+#   remapping from 0.84 to 0.96 at 2x (SmolLM2), and at 1x it gained 7 points on RULER;
 # - the reused decode masks at 1x, on the tasks with long answers: the paper's refresh intervals
 #   (16, 8, 4), and the last stage refreshed every step (32, 16, 1). Refreshing every stage every
 #   step doubled niah_single_3 (30 -> 70, extension off).
@@ -36,7 +40,7 @@ ruler="python3 benchmarks/ruler.py --model qwen2.5-coder-0.5b --n 20 --device gp
 rest_4x="niah_multikey_3 niah_multivalue niah_multiquery vt cwe fwe qa_1 qa_2"
 j() { printf "'%s' " "$@"; }  # each argument one JSON config, quoted for the eval below
 runs=(
-  ruler-1x "$ruler --lengths 32768 --backends infinitehip --kv-cache-gib 4"
+  ruler-1x "$ruler --lengths 32768 --backends infinitehip --kv-cache-gib 4 --out \$RESULTS/ruler-1x-all; $ruler --lengths 65536 --tasks niah_single_2 niah_multikey_1 niah_multikey_2 niah_multiquery --backends infinitehip --kv-cache-gib 7 --infinitehip $(j '{"window_tokens": 4096}')"
   ruler-2x "$ruler --lengths 65536 --tasks fwe qa_1 qa_2 --backends infinitehip --kv-cache-gib 7"
   ruler-4x-a "$ruler --lengths 131072 --tasks niah_multikey_3 niah_multivalue niah_multiquery vt --backends infinitehip --kv-cache-gib 13"
   ruler-4x-b "$ruler --lengths 131072 --tasks cwe fwe qa_1 qa_2 --backends infinitehip --kv-cache-gib 13"
