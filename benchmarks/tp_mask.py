@@ -1,7 +1,7 @@
 """Masks under tensor parallelism: greedy agreement of TP = 2 with TP = 1, per ``tp_mask`` mode.
 
     python benchmarks/tp_mask.py                      # the CPU: tiny Llama, vLLM's mp executor
-    python benchmarks/tp_mask.py --model PATH --device gpu --tp 2
+    python benchmarks/tp_mask.py --model PATH --device gpu --tp 2 [--executor ray]
 
 Each rank holds ``H_kv / TP`` heads. With ``tp_mask: "per-rank"`` (default) a rank's pruning
 stages take the max over its own heads, so its masks differ from TP = 1; ``"global"`` max-reduces
@@ -12,7 +12,8 @@ prompts (above ``dense_threshold``), greedy:
 - vLLM's default backend at TP = 1 and TP = N, the control: how far TP's own arithmetic (the
   row-parallel all-reduce sums in another order) moves the tokens with no masks at all.
 
-Rows ``{backend, tp_mask, tp, prompt_tokens, decode_tokens, token_agreement, first_divergence,
+TP > 1 runs on vLLM's ``mp`` executor, or with ``--executor ray`` on its Ray executor (a GPU
+only: vLLM's CPU platform refuses Ray). Rows ``{backend, tp_mask, tp, executor, prompt_tokens, decode_tokens, token_agreement, first_divergence,
 equal}``: agreement with the same backend at TP = 1, position by position. Writes
 ``tp-mask-<cpu|gpu>-<date>.json``, a PNG and a table.
 """
@@ -52,11 +53,12 @@ def prompts(n: int) -> list[str]:
             + " The end is" for i in range(n)]  # fmt: skip
 
 
-def engine_kwargs(device: str, backend: str, tp: int, tp_mask: str, max_len: int) -> dict:
+def engine_kwargs(device: str, backend: str, tp: int, tp_mask: str, max_len: int,
+                  executor: str = "mp") -> dict:  # fmt: skip
     kw: dict = dict(max_model_len=max_len, max_num_seqs=8, max_num_batched_tokens=2048, seed=0,
                     tensor_parallel_size=tp)  # fmt: skip
     if tp > 1:
-        kw["distributed_executor_backend"] = "mp"  # the CPU platform refuses "ray"
+        kw["distributed_executor_backend"] = executor
     if device == "cpu":
         kw.update(dtype="float32", enforce_eager=True, compilation_config={"mode": 0},
                   kv_cache_memory_bytes=1 << 30)  # fmt: skip
@@ -101,6 +103,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the tests' tiny Llama")
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--executor", choices=("mp", "ray"), default="mp",
+                    help="vLLM's executor at TP > 1 (ray: a GPU only)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--out", default="benchmarks/results")
@@ -111,6 +115,8 @@ def main() -> None:
         spec = json.loads(Path(spec_path).read_text())
         Path(out_path).write_text(json.dumps(run_worker(spec["model"], spec)))
         return
+    if args.executor == "ray" and args.device == "cpu":
+        ap.error("--executor ray needs --device gpu: vLLM's CPU platform refuses the Ray executor")
     if args.model is None:
         from vllm_infinitehip.offline_models import tiny_llama
 
@@ -125,7 +131,8 @@ def main() -> None:
     for backend, tp, mode in engines:
         name = f"{backend}-tp{tp}-{mode or 'none'}"
         spec = {"model": args.model, "prompts": texts, "tokens": args.tokens,
-                "engine": engine_kwargs(args.device, backend, tp, mode, 8192)}  # fmt: skip
+                "engine": engine_kwargs(args.device, backend, tp, mode, 8192,
+                                        args.executor)}  # fmt: skip
         spec_path, res_path = out_dir / f".tp-mask-{name}-in.json", out_dir / f".tp-mask-{name}.json"
         spec_path.write_text(json.dumps(spec))
         print(f"[tp-mask] {name}", flush=True)
@@ -145,6 +152,7 @@ def main() -> None:
         for i, toks in enumerate(res["tokens"]):
             agree, first = agreement(toks, base["tokens"][i])
             rows.append({"backend": backend, "tp_mask": mode or None, "tp": tp,
+                         "executor": args.executor,
                          "prompt_tokens": res["prompt_tokens"][i], "decode_tokens": len(toks),
                          "token_agreement": round(agree, 4), "first_divergence": first,
                          "equal": toks == base["tokens"][i]})  # fmt: skip
@@ -158,7 +166,8 @@ def main() -> None:
 
 
 def table(rows: list[dict]) -> str:
-    return markdown_table(rows, ["backend", "tp_mask", "tp", "prompt_tokens", "decode_tokens",
+    return markdown_table(rows, ["backend", "tp_mask", "tp", "executor", "prompt_tokens",
+                                 "decode_tokens",
                                  "token_agreement", "first_divergence", "equal"])  # fmt: skip
 
 

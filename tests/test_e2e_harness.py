@@ -1,5 +1,7 @@
-"""The end-to-end benchmark's GPU-idle attribution (``benchmarks/e2e.py``), on a hand-made trace:
-the GPU runs need it to say which host call keeps a host-bound decode step long."""
+"""The end-to-end benchmark's bookkeeping (``benchmarks/e2e.py``, ``benchmarks/tp.py``), on
+hand-made traces and rows: the GPU-idle attribution the GPU runs need to say which host call keeps
+a host-bound decode step long, and the tensor-parallel engines, ratios and rows of the 2-GPU run,
+which no CPU can run (vLLM's CPU platform refuses the Ray executor)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import e2e  # noqa: E402  (benchmarks/e2e.py)
+import pytest  # noqa: E402
+import tp  # noqa: E402  (benchmarks/tp.py)
 
 
 def test_idle_gaps_are_charged_to_the_host_call_that_ended_them():
@@ -49,3 +53,55 @@ def test_idle_gaps_of_a_busy_gpu_and_of_a_gap_before_any_host_call():
     got = e2e.idle_gaps([("k", 0.0, 10.0), ("k", 50.0, 60.0)], [("cuX", 70.0, 71.0, "c")], 1)
     assert got["by_host_call"] == [["(no host call)", 40.0, 1.0]]
     assert got["by_call_in_flight"] == [["(host busy)", 40.0, 1.0]]
+
+
+def test_tensor_parallel_engines_reach_vllm_as_its_own_arguments():
+    spec = e2e.engine_spec("3k-fast+ext+tp2+ray", 140000)
+    assert (spec["tensor_parallel_size"], spec["distributed_executor_backend"]) == (2, "ray")
+    assert spec["attention_backend"] == "infinitehip"
+    assert spec["additional_config"]["infinitehip"]["rope_extension"] is True
+    fa = e2e.engine_spec("flash_attn+tp2", 140000)
+    assert (fa["tensor_parallel_size"], fa["distributed_executor_backend"]) == (2, "mp")
+    assert fa["attention_backend"] == "FLASH_ATTN"
+    assert "tensor_parallel_size" not in e2e.engine_spec("3k-fast", 140000)
+    with pytest.raises(SystemExit, match="executor for"):
+        e2e.engine_spec("3k-fast+ray", 140000)
+
+
+def _speed(engine, backend, tp_size, tok_s, batch=1, context=131072):
+    return {"engine": engine, "backend": backend, "tp": tp_size, "context": context,
+            "batch": batch, "decode_tok_s": tok_s, "prefill_s": 10.0,
+            "executor": "ray" if tp_size > 1 else None}  # fmt: skip
+
+
+def test_tp2_rows_are_compared_with_tp1_and_with_flash_attn_at_the_same_tp():
+    rows = [_speed("3k-fast+ext", "infinitehip", 1, 100.0),
+            _speed("3k-fast+ray+ext+tp2", "infinitehip", 2, 150.0),  # any modifier order
+            _speed("flash_attn+tp2+ray", "flash_attn", 2, 60.0),
+            _speed("flash_attn", "flash_attn", 1, 50.0),
+            _speed("3k-fast+tp2+ray", "infinitehip", 2, 300.0, batch=8)]  # no TP = 1 row
+    e2e.add_ratios(rows)
+    by = {(r["engine"], r["batch"]): r for r in rows}
+    assert by["3k-fast+ray+ext+tp2", 1]["decode_vs_tp1"] == 1.5
+    assert by["3k-fast+ray+ext+tp2", 1]["decode_speedup_vs_flash_attn"] == 2.5  # FA at TP = 2
+    assert by["3k-fast+ext", 1]["decode_speedup_vs_flash_attn"] == 2.0  # FA at TP = 1
+    assert by["flash_attn+tp2+ray", 1]["decode_vs_tp1"] == 1.2
+    assert by["3k-fast+ext", 1]["decode_vs_tp1"] is None
+    assert by["3k-fast+tp2+ray", 8]["decode_vs_tp1"] is None
+    assert "decode_vs_tp1" in e2e.table(rows)
+
+
+def test_tp_results_join_speed_and_greedy_rows_in_the_issues_shape():
+    speed = [_speed("3k-fast+tp2+ray", "infinitehip", 2, 150.0)]
+    greedy = [{"backend": "infinitehip", "tp_mask": "global", "tp": 2, "executor": "ray",
+               "prompt_tokens": n, "decode_tokens": 32, "token_agreement": a,
+               "first_divergence": None if a == 1.0 else 3, "equal": a == 1.0}
+              for n, a in ((2900, 1.0), (3500, 0.75))]  # fmt: skip
+    rows = tp.join(speed, greedy)
+    for r in rows:
+        assert {"tp", "executor", "context", "batch", "decode_tok_s", "greedy_match_tp1"} <= set(r)
+    assert [r["kind"] for r in rows] == ["speed", "greedy", "greedy"]
+    assert rows[0]["decode_tok_s"] == 150.0 and rows[0]["greedy_match_tp1"] is None
+    assert [(r["context"], r["batch"], r["greedy_match_tp1"]) for r in rows[1:]] == [
+        (2900, 2, True), (3500, 2, False)]
+    assert rows[2]["first_divergence"] == 3
