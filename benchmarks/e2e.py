@@ -332,6 +332,7 @@ def host_profile(call, prompt, top: int = 25) -> list[list]:
 def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], max_len: int,
                budget_s: float, profile_host: bool) -> list[dict]:  # fmt: skip
     preset, mods = engine_parts(name)
+    tp, executor = engine_parallelism(name)
     # before vLLM is imported: vllm.envs reads it when the engine is built
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if "mp" in mods else "0"
     from vllm import LLM
@@ -351,7 +352,6 @@ def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], ma
         prefill, ttft = cold_prefill(call, prompt)
         wall_s, engine_s = decode_seconds(call, [prompt])
         decode, decode_engine = DECODE_TOKENS / wall_s, DECODE_TOKENS / engine_s
-        tp, executor = engine_parallelism(name)
         base = dict(context=ctx, backend=backend,
                     preset=None if backend == "flash_attn" else preset,
                     rope_extension="ext" in mods, engine_core_process="mp" in mods,
