@@ -14,8 +14,8 @@ prompts (above ``dense_threshold``), greedy:
 
 TP > 1 runs on vLLM's ``mp`` executor, or with ``--executor ray`` on its Ray executor (a GPU
 only: vLLM's CPU platform refuses Ray). Rows ``{backend, tp_mask, tp, executor, prompt_tokens,
-decode_tokens, token_agreement, first_divergence, equal}``: agreement with the same backend at TP = 1, position by position. Writes
-``tp-mask-<cpu|gpu>-<date>.json``, a PNG and a table.
+decode_tokens, token_agreement, first_divergence, equal}``: agreement with the same backend at
+TP = 1, position by position. Writes ``tp-mask-<cpu|gpu>-<date>.json``, a PNG and a table.
 """
 
 from __future__ import annotations
