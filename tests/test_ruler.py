@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import ruler  # noqa: E402  (benchmarks/ruler.py)
+import ruler_answers  # noqa: E402  (benchmarks/ruler_answers.py)
 
 from tests.conftest import SMALL_HIP  # noqa: E402
 
@@ -117,6 +118,33 @@ def test_scores_are_rulers_metrics_on_hand_made_answers():
 
 def sample(task: str, context: int, index: int, outputs: list[str]) -> ruler.Sample:
     return ruler.Sample(task, context, index, "prompt", outputs, context - 200, 32)
+
+
+def test_wrong_answers_are_split_where_they_leave_the_truth():
+    # one token per character, as Qwen's and SmolLM2's tokenizers write digits; the needle's
+    # value 1234567 starts at position 14, so its digit 2 (index 2) is the first token of the
+    # 8-token block at 16
+    prompt = list(map(ord, "filler filler 1234567 filler"))
+    rows = [{"model": "m", "backend": b, "config": "", "context": 32768, "task": t, "index": 0,
+             "outputs": ["1234567"], "score": s, "pred": p}
+            for b, t, s, p in [
+                ("infinitehip", "niah_multikey_1", 0.0, " 1299999."),  # diverges at digit 2
+                ("infinitehip", "niah_single_1", 0.0, " 1239999."),  # at digit 3
+                ("infinitehip", "niah_single_2", 0.0, " 7654321."),  # from the first digit
+                ("infinitehip", "niah_multikey_2", 0.0, " 123."),  # a right prefix, then nothing
+                ("infinitehip", "niah_single_1", 100.0, " 1234567."),
+                ("infinitehip", "vt", 0.0, " 1299999."),  # not a single-number needle task
+                ("default", "niah_single_1", 0.0, " no number")]]  # fmt: skip
+    got = ruler_answers.classify(rows, lambda task, context, index: prompt,
+                                 lambda text: list(map(ord, text)), block_size=8)
+    by = {r["backend"]: r for r in got}
+    assert {k: by["infinitehip"][k] for k in ("samples", "wrong", "wrong_from_first_digit",
+            "diverged", "short", "diverged_at_chunk_start", "chunk_start_share")} == {
+        "samples": 5, "wrong": 4, "wrong_from_first_digit": 1, "diverged": 2, "short": 1,
+        "diverged_at_chunk_start": 1, "chunk_start_share": 0.5}  # fmt: skip
+    assert (by["default"]["wrong"], by["default"]["wrong_from_first_digit"]) == (1, 1)
+    assert ruler_answers.divergence("1234567", " 12.") == 2
+    assert ruler_answers.needle_start([1, 2, 1, 2], [1, 2]) is None  # not one occurrence
 
 
 def test_rows_summary_and_a_later_run_replacing_only_its_cells(tmp_path):
