@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import importlib
 import json
 import re
 import sys
@@ -131,8 +132,6 @@ def main() -> None:
     m = NAME.match(args.samples.name)
     if m is None:
         ap.error(f"{args.samples.name}: not a ruler-samples-<gpu|cpu>-<date>.json")
-
-    import importlib
 
     from transformers import AutoTokenizer
 
