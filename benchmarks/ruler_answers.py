@@ -133,9 +133,8 @@ def main() -> None:
     if m is None:
         ap.error(f"{args.samples.name}: not a ruler-samples-<gpu|cpu>-<date>.json")
 
-    from transformers import AutoTokenizer
-
     from ruler import MODELS
+    from transformers import AutoTokenizer
 
     model_dir = getattr(importlib.import_module("vllm_infinitehip.offline_models"),
                         MODELS[args.model])()
