@@ -2,7 +2,7 @@
 recorded answers (``ruler-samples-<gpu|cpu>-<date>.json``) and the samples' prompts.
 
     python benchmarks/ruler_answers.py benchmarks/results/ruler-samples-gpu-2026-12-03.json \\
-        --model qwen2.5-coder-0.5b --cache .cache/ruler
+        [--models qwen2.5-coder-0.5b smollm2-135m] [--cache .cache/ruler]
 
 For the single-number needle tasks (niah_single_1/2, niah_multikey_1/2; Qwen's and SmolLM2's
 tokenizers write one digit per token), each wrong answer is one of:
@@ -96,13 +96,28 @@ def classify(rows: list[dict], prompt_ids, digit_ids, block_size: int) -> list[d
     return out
 
 
+def _prompt_ids(chat: Path, tok):
+    """``prompt_ids(task, context, index)``: a sample's prompt tokenized as the run did."""
+    texts: dict[tuple, dict[int, str]] = {}
+
+    @functools.cache
+    def prompt_ids(task: str, context: int, index: int) -> list[int]:
+        if (task, context) not in texts:
+            lines = (chat / f"{task}-{context}-n20-seed42.jsonl").read_text().splitlines()
+            texts[task, context] = {s["index"]: s["prompt"] for s in map(json.loads, lines)}
+        return tok(texts[task, context][index], add_special_tokens=False)["input_ids"]
+
+    return prompt_ids
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['backend']} {r['config'] or ''} {r['context'] // 1024}K".strip() for r in rows]
+    labels = [f"{r['model']} {r['backend']} {r['config'] or ''} {r['context'] // 1024}K"
+              for r in rows]
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))
     y = range(len(rows))
     first = [r["wrong_from_first_digit"] for r in rows]
@@ -122,7 +137,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("samples", type=Path, help="ruler-samples-<device>-<date>.json")
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b",
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "smollm2-135m"],
                     choices=("qwen2.5-coder-0.5b", "smollm2-135m"))
     ap.add_argument("--cache", type=Path, default=Path(".cache/ruler"),
                     help="ruler.py's --cache, where the samples' prompts are")
@@ -136,27 +151,20 @@ def main() -> None:
     from ruler import MODELS
     from transformers import AutoTokenizer
 
-    model_dir = getattr(importlib.import_module("vllm_infinitehip.offline_models"),
-                        MODELS[args.model])()
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    chat = sorted(args.cache.glob(f"{Path(model_dir).name}-*/ruler-*/chat"))
-    if not chat:
-        ap.error(f"no samples of {Path(model_dir).name} under {args.cache}")
-    texts: dict[tuple, dict[int, str]] = {}
-
-    @functools.cache
-    def prompt_ids(task: str, context: int, index: int) -> list[int]:
-        if (task, context) not in texts:
-            lines = (chat[-1] / f"{task}-{context}-n20-seed42.jsonl").read_text().splitlines()
-            texts[task, context] = {s["index"]: s["prompt"] for s in map(json.loads, lines)}
-        return tok(texts[task, context][index], add_special_tokens=False)["input_ids"]
-
-    def digit_ids(text: str) -> list[int]:
-        return tok(text, add_special_tokens=False)["input_ids"]
-
     src = json.loads(args.samples.read_text())
-    mine = [r for r in src["rows"] if r["model"] == args.model]
-    rows = classify(mine, prompt_ids, digit_ids, args.block_size)
+    rows = []
+    for model in args.models:
+        mine = [r for r in src["rows"] if r["model"] == model]
+        if not mine:
+            continue
+        model_dir = getattr(importlib.import_module("vllm_infinitehip.offline_models"),
+                            MODELS[model])()
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        chat = sorted(args.cache.glob(f"{Path(model_dir).name}-*/ruler-*/chat"))
+        if not chat:
+            ap.error(f"no samples of {Path(model_dir).name} under {args.cache}")
+        rows += classify(mine, _prompt_ids(chat[-1], tok), lambda text, tok=tok: tok(
+            text, add_special_tokens=False)["input_ids"], args.block_size)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"ruler-answers-{m['device']}-{m['date']}.json"
     path.write_text(json.dumps({
@@ -164,7 +172,7 @@ def main() -> None:
         "command": "python benchmarks/ruler_answers.py " + " ".join(sys.argv[1:]),
         "rows": rows}, indent=1))  # fmt: skip
     plot(rows, path.with_suffix(".png"))
-    print(markdown_table(rows, ["backend", "config", "context", "samples", "wrong",
+    print(markdown_table(rows, ["model", "backend", "config", "context", "samples", "wrong",
                                 "wrong_from_first_digit", "diverged", "diverged_at_chunk_start",
                                 "chunk_start_share", "chance"]))  # fmt: skip
 
