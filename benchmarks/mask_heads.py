@@ -36,9 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import passkey  # noqa: E402  (benchmarks/passkey.py: the models and how each is prompted)
 
 
-def capture_qk(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer: the final query ``[1, H_q, D]`` and all keys ``[T, H_kv, D]``, rotated at their
-    true positions (what vLLM caches), from one forward pass."""
+def capture_qk(model, ids: torch.Tensor,
+               last: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Per layer: the ``last`` queries ``[last, H_q, D]`` and all keys ``[T, H_kv, D]``, rotated
+    at their true positions (what vLLM caches), from one forward pass."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -47,9 +48,9 @@ def capture_qk(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tenso
         h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         cos, sin = kwargs["position_embeddings"]
         d = attn.head_dim
-        q = attn.q_proj(h[:, -1:]).view(1, 1, -1, d).transpose(1, 2)
+        q = attn.q_proj(h[:, -last:]).view(1, last, -1, d).transpose(1, 2)
         k = attn.k_proj(h).view(1, h.shape[1], -1, d).transpose(1, 2)
-        q, _ = apply_rotary_pos_emb(q, q, cos[:, -1:], sin[:, -1:])
+        q, _ = apply_rotary_pos_emb(q, q, cos[:, -last:], sin[:, -last:])
         _, k = apply_rotary_pos_emb(k, k, cos, sin)
         out.append((q[0].transpose(0, 1).contiguous(), k[0].transpose(0, 1).contiguous()))
 
@@ -57,7 +58,7 @@ def capture_qk(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tenso
                for layer in model.model.layers]
     try:
         with torch.no_grad():
-            model(ids, use_cache=False, logits_to_keep=1)
+            model(ids, use_cache=False, logits_to_keep=last)
     finally:
         for handle in handles:
             handle.remove()
