@@ -101,6 +101,9 @@ def main() -> int:
         start = ruler_answers.needle_start(prompt_ids, digit_ids)
         needle = torch.arange(start, start + len(digit_ids))
         ids = torch.tensor([prompt_ids + answer_ids])
+        if ids.shape[1] > model.config.max_position_embeddings:
+            ap.error(f"{ids.shape[1]} tokens: past the trained length, where the cascade would "
+                     "remap positions; this diagnostic scores at true positions (1x samples)")
         # the queries that write the answer's digits: the last len(truth) positions before its end
         n_q = len(digit_ids)
         positions = list(range(ids.shape[1] - 1 - n_q, ids.shape[1] - 1))
