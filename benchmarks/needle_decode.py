@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -50,12 +49,14 @@ def main() -> int:
                     help="JSON settings whose cascades are compared on the same Q/K (default: "
                          "--config's); each row carries its settings")
     ap.add_argument("--limit", type=int, default=4)
-    ap.add_argument("--cache", type=Path, default=Path(".cache/ruler"))
+    ap.add_argument("--cache", type=Path, default=Path(".cache/ruler"),
+                    help="ruler.py's --cache, where the samples' prompts are")
+    ap.add_argument("--n", type=int, default=20, help="the run's --n")
+    ap.add_argument("--seed", type=int, default=42, help="the run's --seed")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
 
-    from ruler import MODELS
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from vllm_infinitehip.backend import layer_prune_params
     from vllm_infinitehip.config import InfiniteHiPConfig
@@ -65,19 +66,13 @@ def main() -> int:
     rows = [r for r in json.loads(args.samples.read_text())["rows"]
             if r["model"] == args.model and r["backend"] == "infinitehip"
             and r["task"] == args.task and r["context"] == args.context
-            and (r["config"] or "") == (config or "")]  # fmt: skip
-    path = str(getattr(importlib.import_module("vllm_infinitehip.offline_models"),
-                       MODELS[args.model])())
-    tok = AutoTokenizer.from_pretrained(path)
-    chat = max(args.cache.glob(f"{Path(path).name}-*/ruler-*/chat"))
-    lines = (chat / f"{args.task}-{args.context}-n20-seed42.jsonl").read_text().splitlines()
-    prompts = {s["index"]: s["prompt"] for s in map(json.loads, lines)}
+            and (r["config"] or "") == config]  # fmt: skip
+    path, tok, prompt_ids = ruler_answers.run_tokens(args.model, args.cache, args.n, args.seed)
     chosen = []
     for r in sorted(rows, key=lambda r: r["index"]):
         truth = r["outputs"][0]
-        j = ruler_answers.divergence(truth, r["pred"])
-        written = len("".join(ch for ch in r["pred"] or "" if ch.isdigit()))
-        if r["score"] < 100 and 0 < j < min(len(truth), written):  # ruler_answers' "diverged"
+        kind, j = ruler_answers.answer_kind(truth, r["pred"])
+        if r["score"] < 100 and truth.isdigit() and kind == "diverged":
             chosen.append((r["index"], truth, j, r["pred"]))
     chosen = chosen[: args.limit]
     print(f"{len(chosen)} samples whose answer started right and diverged: "
@@ -95,12 +90,12 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     result_rows = []
     for index, truth, diverged_at, pred in chosen:
-        prompt_ids = tok(prompts[index], add_special_tokens=False)["input_ids"]
+        prompt = prompt_ids(args.task, args.context, index)
         answer_ids = tok(" " + truth, add_special_tokens=False)["input_ids"]
         digit_ids = tok(truth, add_special_tokens=False)["input_ids"]
-        start = ruler_answers.needle_start(prompt_ids, digit_ids)
+        start = ruler_answers.needle_start(prompt, digit_ids)
         needle = torch.arange(start, start + len(digit_ids))
-        ids = torch.tensor([prompt_ids + answer_ids])
+        ids = torch.tensor([prompt + answer_ids])
         if ids.shape[1] > model.config.max_position_embeddings:
             ap.error(f"{ids.shape[1]} tokens: past the trained length, where the cascade would "
                      "remap positions; this diagnostic scores at true positions (1x samples)")

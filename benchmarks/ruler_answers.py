@@ -48,6 +48,17 @@ def divergence(truth: str, pred: str) -> int:
     return next((i for i in range(n) if truth[i] != digits[i]), n)
 
 
+def answer_kind(truth: str, pred: str) -> tuple[str, int]:
+    """A wrong answer's kind (``wrong_from_first_digit``, ``short`` or ``diverged``) and the
+    index of its first wrong digit (:func:`divergence`)."""
+    j = divergence(truth, pred)
+    if j == 0:
+        return "wrong_from_first_digit", j
+    if j >= min(len(truth), len(re.sub(r"[^0-9]", "", pred or ""))):
+        return "short", j  # no wrong digit: a right prefix, then nothing (or more digits)
+    return "diverged", j
+
+
 def needle_start(prompt_ids: list[int], truth_ids: list[int]) -> int | None:
     """Token position of the needle's value in the prompt, when it occurs exactly once."""
     n = len(truth_ids)
@@ -69,12 +80,9 @@ def classify(rows: list[dict], prompt_ids, digit_ids, block_size: int) -> list[d
         if r["score"] >= 100 or not truth.isdigit():
             continue
         cell["wrong"] += 1
-        j = divergence(truth, r["pred"])
-        if j == 0:
-            cell["wrong_from_first_digit"] += 1
-            continue
-        if j >= min(len(truth), len(re.sub(r"[^0-9]", "", r["pred"] or ""))):
-            cell["short"] += 1  # no wrong digit: a right prefix, then nothing (or more digits)
+        kind, j = answer_kind(truth, r["pred"])
+        if kind != "diverged":
+            cell[kind] += 1
             continue
         start = needle_start(prompt_ids(r["task"], r["context"], r["index"]), digit_ids(truth))
         if start is None:
@@ -96,18 +104,28 @@ def classify(rows: list[dict], prompt_ids, digit_ids, block_size: int) -> list[d
     return out
 
 
-def _prompt_ids(chat: Path, tok):
-    """``prompt_ids(task, context, index)``: a sample's prompt tokenized as the run did."""
-    texts: dict[tuple, dict[int, str]] = {}
+def run_tokens(model: str, cache: Path, n: int, seed: int):
+    """``(model_dir, tok, prompt_ids)`` of a ruler.py run's model: its offline directory, its
+    tokenizer, and ``prompt_ids(task, context, index)``, a sample's chat prompt tokenized as the
+    run did. The samples come from ruler.py's own cache (``generate_cached``: keyed by the
+    tokenizer's behaviour and RULER's release), made again only if missing."""
+    from ruler import MODELS, generate_cached
+    from transformers import AutoTokenizer
+
+    model_dir = str(getattr(importlib.import_module("vllm_infinitehip.offline_models"),
+                            MODELS[model])())
+    tok = AutoTokenizer.from_pretrained(model_dir)
+
+    @functools.cache
+    def prompts(task: str, context: int) -> dict[int, str]:
+        samples = generate_cached(task, model_dir, context, n, True, seed, cache)
+        return {s.index: s.prompt for s in samples}
 
     @functools.cache
     def prompt_ids(task: str, context: int, index: int) -> list[int]:
-        if (task, context) not in texts:
-            lines = (chat / f"{task}-{context}-n20-seed42.jsonl").read_text().splitlines()
-            texts[task, context] = {s["index"]: s["prompt"] for s in map(json.loads, lines)}
-        return tok(texts[task, context][index], add_special_tokens=False)["input_ids"]
+        return tok(prompts(task, context)[index], add_special_tokens=False)["input_ids"]
 
-    return prompt_ids
+    return model_dir, tok, prompt_ids
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -141,6 +159,8 @@ def main() -> None:
                     choices=("qwen2.5-coder-0.5b", "smollm2-135m"))
     ap.add_argument("--cache", type=Path, default=Path(".cache/ruler"),
                     help="ruler.py's --cache, where the samples' prompts are")
+    ap.add_argument("--n", type=int, default=20, help="the run's --n")
+    ap.add_argument("--seed", type=int, default=42, help="the run's --seed")
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
@@ -148,22 +168,14 @@ def main() -> None:
     if m is None:
         ap.error(f"{args.samples.name}: not a ruler-samples-<gpu|cpu>-<date>.json")
 
-    from ruler import MODELS
-    from transformers import AutoTokenizer
-
     src = json.loads(args.samples.read_text())
     rows = []
     for model in args.models:
         mine = [r for r in src["rows"] if r["model"] == model]
         if not mine:
             continue
-        model_dir = getattr(importlib.import_module("vllm_infinitehip.offline_models"),
-                            MODELS[model])()
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-        chat = sorted(args.cache.glob(f"{Path(model_dir).name}-*/ruler-*/chat"))
-        if not chat:
-            ap.error(f"no samples of {Path(model_dir).name} under {args.cache}")
-        rows += classify(mine, _prompt_ids(chat[-1], tok), lambda text, tok=tok: tok(
+        _, tok, prompt_ids = run_tokens(model, args.cache, args.n, args.seed)
+        rows += classify(mine, prompt_ids, lambda text, tok=tok: tok(
             text, add_special_tokens=False)["input_ids"], args.block_size)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"ruler-answers-{m['device']}-{m['date']}.json"
