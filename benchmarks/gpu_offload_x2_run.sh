@@ -14,7 +14,7 @@
 #           tier off (which a 2M context cannot have: its KV is past the GPU).
 # Results: offload-gpu-<date>.json under $RESULTS (rows as benchmarks/offload.py writes them).
 set -uo pipefail
-source "$(dirname "$0")/gpu_env.sh"
+# gpu_background.sh start ran gpu_env.sh (installs, environment); this session inherits it
 CUDA_VISIBLE_DEVICES=0; export CUDA_VISIBLE_DEVICES  # the second GPU is unused
 free -g | head -2
 offload="python3 benchmarks/offload.py --out $RESULTS --merge"
