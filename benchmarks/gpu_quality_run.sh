@@ -16,22 +16,19 @@
 # minutes more on a shared GPU). Each run writes under $RESULTS/<name>/ and logs to
 # $RESULTS/<name>.log; results.tgz brings them back, and benchmarks/merge_results.py joins them
 # into benchmarks/results (a later cell replaces an earlier one).
-# The runs are what issue 13 still lacks, the most needed first (eight side by side: ten saturated
-# the GPU, and infinitehip's RULER at 128K took 20 s or more a sample):
-# - RULER at 1x again, all 13 tasks: queries inside the trained length now attend at true
-#   positions (no remapping), which changes infinitehip's 1x score, the targets' reference;
-# - RULER's last cells at 2x (fwe had 8 samples) and at 4x (infinitehip, 4 runs of 2 tasks),
-#   and the default backend's at 4x (2 runs of 4 tasks);
-# - then, in 1x's slot, the reused decode masks at 1x, on the tasks with long answers: the
-#   paper's refresh intervals (16, 8, 4), and the last stage refreshed every step (32, 16, 1).
-#   Refreshing every stage every step doubled niah_single_3 (30 -> 70, extension off).
-#   niah_multikey_2 and niah_single_2 too: benchmarks/ruler_answers.py reads where their wrong
-#   numbers leave the truth (35% of the answers that start right go wrong at a block's first
-#   token with the reused masks, 1 of 13 with masks refreshed every step);
-# - last in that slot, RULER at 2x with a 4096-token window on the four tasks 2x lost most
-#   against 1x (niah_single_2 85 -> 65, niah_multikey_1 40 -> 20, niah_multikey_2 15 -> 0,
-#   niah_multiquery 76 -> 50): on the CPU that window lifts the decode steps' recall under the
-#   remapping from 0.84 to 0.96 at 2x (SmolLM2), and at 1x it gained 7 points on RULER.
+# The runs are what issue 13 still lacks, the most needed first (six side by side: ten saturated
+# the GPU; with eight, infinitehip's RULER at 128K took 44 s a sample on 2026-12-03):
+# - RULER at 4x, the cells run 3 (2026-12-03) did not reach: infinitehip's niah_multivalue, fwe,
+#   qa_2 and vt (8 samples of 20), the default backend's vt and qa_2 (16 of 20);
+# - then in the same slots, the 2x cells measured under the former rule (queries inside the
+#   trained length remapped too, before 444b441), so that 2x is measured as 1x now is:
+#   niah_single_1-3, niah_multikey_1-3, niah_multivalue, niah_multiquery, vt, cwe;
+# - RULER at 2x with a 4096-token window on the four tasks 2x lost most against 1x (niah_single_2
+#   95 -> 65, niah_multikey_1 75 -> 20, niah_multikey_2 20 -> 0, qa_1 15 -> 0; run 3 reached 8
+#   samples of niah_single_2: 87.5): on the CPU that window lifts the decode steps' recall under
+#   the remapping from 0.84 to 0.96 at 2x (SmolLM2).
+# Samples: `ruler.py --model qwen2.5-coder-0.5b --generate-only --lengths 131072 --tasks
+# niah_multivalue fwe qa_2 vt`, and `--lengths 65536 --tasks all` (a fresh machine: 25 min).
 # The kernels these runs use passed compiled on the H200 on 2026-12-03 (115 tests,
 # benchmarks/results/gpu-tests-2026-12-03-remap.log, at e19ec74); a change to kernels/ since then
 # needs `bash benchmarks/gpu_e2e_run.sh tests` (or the pytest line of e19ec74's version of this
@@ -42,17 +39,14 @@ source "$(dirname "$0")/gpu_models.sh"
 ruler="python3 benchmarks/ruler.py --model qwen2.5-coder-0.5b --n 20 --device gpu --cache $RULER_CACHE"
 rest_4x="niah_multikey_3 niah_multivalue niah_multiquery vt cwe fwe qa_1 qa_2"
 j() { printf "'%s' " "$@"; }  # each argument one JSON config, quoted for the eval below
-# 128K cells in pairs of tasks: a run takes 7-11 s a sample there with its neighbours busy, so the
-# 8 missing tasks of one backend in one run (160 samples) would not end inside one session
+ih2="$ruler --lengths 65536 --backends infinitehip --kv-cache-gib 7 --tasks"
 runs=(
-  ruler-1x "$ruler --lengths 32768 --backends infinitehip --kv-cache-gib 4 --out \$RESULTS/ruler-1x-all; $ruler --lengths 32768 --tasks niah_single_3 vt niah_multikey_1 niah_multikey_2 niah_single_2 --backends infinitehip --kv-cache-gib 4 --infinitehip $(j '{"refresh_intervals": [16, 8, 4]}' '{"refresh_intervals": [32, 16, 1]}') --out \$RESULTS/ruler-1x-refresh; $ruler --lengths 65536 --tasks niah_single_2 niah_multikey_1 niah_multikey_2 niah_multiquery --backends infinitehip --kv-cache-gib 7 --infinitehip $(j '{"window_tokens": 4096}')"
-  ruler-2x "$ruler --lengths 65536 --tasks fwe qa_1 qa_2 --backends infinitehip --kv-cache-gib 7"
-  ruler-4x-a "$ruler --lengths 131072 --tasks niah_multikey_3 niah_multivalue --backends infinitehip --kv-cache-gib 13"
-  ruler-4x-b "$ruler --lengths 131072 --tasks niah_multiquery vt --backends infinitehip --kv-cache-gib 13"
-  ruler-4x-c "$ruler --lengths 131072 --tasks cwe fwe --backends infinitehip --kv-cache-gib 13"
-  ruler-4x-d "$ruler --lengths 131072 --tasks qa_1 qa_2 --backends infinitehip --kv-cache-gib 13"
-  ruler-default-4x-a "$ruler --lengths 131072 --tasks niah_multikey_3 niah_multivalue niah_multiquery vt --backends default --kv-cache-gib 13"
-  ruler-default-4x-b "$ruler --lengths 131072 --tasks cwe fwe qa_1 qa_2 --backends default --kv-cache-gib 13"
+  ruler-4x-a "$ruler --lengths 131072 --tasks niah_multivalue --backends infinitehip --kv-cache-gib 13 --out \$RESULTS/ruler-4x-a1; $ih2 niah_single_1 niah_single_2 niah_single_3"
+  ruler-4x-b "$ruler --lengths 131072 --tasks fwe --backends infinitehip --kv-cache-gib 13 --out \$RESULTS/ruler-4x-b1; $ih2 niah_multikey_1 niah_multikey_2 niah_multikey_3"
+  ruler-4x-c "$ruler --lengths 131072 --tasks qa_2 --backends infinitehip --kv-cache-gib 13 --out \$RESULTS/ruler-4x-c1; $ih2 niah_multivalue niah_multiquery"
+  ruler-4x-d "$ruler --lengths 131072 --tasks vt --backends infinitehip --kv-cache-gib 13 --out \$RESULTS/ruler-4x-d1; $ih2 vt cwe"
+  ruler-default-4x "$ruler --lengths 131072 --tasks vt qa_2 --backends default --kv-cache-gib 13"
+  ruler-2x-window "$ih2 niah_single_2 niah_multikey_1 niah_multikey_2 qa_1 --infinitehip $(j '{"window_tokens": 4096}')"
 )
 end=$(($(date +%s) + budget))
 # every command of a line gets what is left of the budget when it starts
