@@ -13,7 +13,9 @@ true positions (the samples' 1× prompts lie inside the trained length). Per lay
 digit: the share of the needle's digit tokens the mask keeps (``needle_kept``), dense attention's
 softmax mass on them (``needle_mass``: how much the layer reads the needle at all) and the
 mask's recall of the dense mass (``recall``). ``--infinitehip`` compares several settings'
-cascades on the same Q/K (one forward pass per sample). Writes ``needle-decode-cpu-<date>.json``,
+cascades on the same Q/K (one forward pass per sample); a setting may name the reference's
+``head_reduction`` (``kernels/reference.py`` ``reduce_heads``: how the heads' chunk scores become
+one ranking), a research setting the kernels do not have. Writes ``needle-decode-cpu-<date>.json``,
 a PNG (kept share by layer and digit, the first settings) and prints, per settings, sample and
 digit, in how many layers the whole needle was kept, and in how many of those that read it
 (needle mass > 0.05).
@@ -22,6 +24,7 @@ digit, in how many layers the whole needle was kept, and in how many of those th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -81,8 +84,11 @@ def main() -> int:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
     variants = [json.loads(v) for v in args.infinitehip or [args.config]]
-    cfgs = [(json.dumps(v, sort_keys=True),
-             InfiniteHiPConfig.from_user({k: x for k, x in v.items() if k != "rope_extension"}))
+    # "head_reduction" is the reference's research setting (kernels/reference.py reduce_heads),
+    # not a config field: it is set on each layer's parameters below
+    cfgs = [(json.dumps(v, sort_keys=True), v.get("head_reduction", "max"),
+             InfiniteHiPConfig.from_user({k: x for k, x in v.items()
+                                          if k not in ("rope_extension", "head_reduction")}))
             for v in variants]  # fmt: skip
     scale = model.model.layers[0].self_attn.scaling
     date = datetime.date.today().isoformat()
@@ -110,8 +116,9 @@ def main() -> int:
                 qg = qi.view(hkv, hq // hkv, -1) * scale
                 s = torch.einsum("hgd,thd->hgt", qg, k).reshape(hq, -1)
                 probs = s.masked_fill(t > p, float("-inf")).softmax(-1)
-                for name, cfg in cfgs:
-                    params = layer_prune_params(cfg, layer, None)
+                for name, how, cfg in cfgs:
+                    params = dataclasses.replace(layer_prune_params(cfg, layer, None),
+                                                 head_reduction=how)  # fmt: skip
                     mask, recall = mask_heads.select(params, qi, k, p, scale)
                     result_rows.append({
                         "model": args.model, "task": args.task, "context": args.context,
@@ -124,7 +131,7 @@ def main() -> int:
         out.write_text(json.dumps({"name": "needle-decode", "date": date, "gpu": None,
                                    "command": "python benchmarks/needle_decode.py "
                                    + " ".join(sys.argv[1:]), "rows": result_rows}, indent=0))
-        for (name, _), digit in ((c, d) for c in cfgs for d in range(n_q)):
+        for name, digit in ((c[0], d) for c in cfgs for d in range(n_q)):
             rs = [r for r in result_rows
                   if (r["index"], r["digit"], r["settings"]) == (index, digit, name)]
             reading = [r for r in rs if r["needle_mass"] > 0.05]

@@ -82,6 +82,11 @@ class PruneParams:
     stages: tuple[StageParams, ...]
     probe: str = "midpoint"
     rope: RopePlan | None = None
+    # How a stage's per-head chunk scores become the layer's one ranking (HEAD_REDUCTIONS). Only
+    # "max" (the paper's) is in the kernels and the config; the others are research settings of
+    # the reference, set by benchmarks/needle_decode.py to test whether a head that reads a
+    # needle is outvoted by heads with larger raw scores.
+    head_reduction: str = "max"
 
     @property
     def block_size_q(self) -> int:
@@ -351,6 +356,7 @@ def select_rep_scores(
     probe: str = "midpoint",
     q_pooled_right: torch.Tensor | None = None,
     chunk_rotation: tuple[torch.Tensor, RopeTable] | None = None,
+    head_reduction: str = "max",
 ) -> torch.Tensor:
     """Score every candidate chunk of every query block with SelectRep (§1.4).
 
@@ -365,7 +371,7 @@ def select_rep_scores(
     path: at each step it probes one key per half (the half's midpoint, or its first key) and
     descends into the half whose probe scores higher (max over the block's queries). The chunk
     score is the best probe score seen, max-reduced over heads, so all heads of a layer share the
-    ranking. Invalid or empty chunks score ``-inf``. Returns ``[n_blocks, C]`` float32.
+    ranking (``head_reduction``: see :func:`reduce_heads`). Invalid or empty chunks score ``-inf``. Returns ``[n_blocks, C]`` float32.
 
     Query blocks are independent, so they are scored a group at a time, with the gathered
     probe keys of a group near ``SELECT_REP_GROUP_BYTES``: intermediates that size are reused
@@ -389,7 +395,7 @@ def select_rep_scores(
             q_pooled[sl], k, Candidates(cand.starts[sl], cand.valid[sl]), chunk_size,
             key_limit[sl], probe, None if q_pooled_right is None else q_pooled_right[sl],
             None if chunk_rotation is None else (chunk_rotation[0][sl], chunk_rotation[1]),
-            num_keys, use_table,
+            num_keys, use_table, head_reduction,
         ))  # fmt: skip
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -405,6 +411,7 @@ def _select_rep_group(
     chunk_rotation: tuple[torch.Tensor, RopeTable] | None,
     num_keys: int,
     use_table: bool,
+    head_reduction: str,
 ) -> torch.Tensor:
     """:func:`select_rep_scores` for one group of query blocks (``num_keys``: the call's)."""
     nb, hq = q_pooled.shape[:2]
@@ -469,7 +476,33 @@ def _select_rep_group(
     single = valid & torch.isneginf(best)
     best = torch.where(single, probe_score(left), best)
     best = best.masked_fill(~valid, NEG_INF)
-    return best.amax(dim=1)  # head reduction
+    return reduce_heads(best, head_reduction)
+
+
+HEAD_REDUCTIONS = ("max", "log-softmax", "z-score")
+
+
+def reduce_heads(scores: torch.Tensor, how: str = "max") -> torch.Tensor:
+    """One ranking ``[n_blocks, C]`` from per-head chunk scores ``[n_blocks, H_q, C]`` (scaled
+    logits, ``-inf`` where invalid): ``"max"`` over heads of the raw scores (the paper's);
+    ``"log-softmax"``: the max over heads of each head's log-softmax over the chunks (a chunk
+    ranks by the largest share any head gives it); ``"z-score"``: the max over heads of each
+    head's standardized scores (how far a chunk stands out in some head)."""
+    if how == "max":
+        return scores.amax(dim=1)
+    valid = torch.isfinite(scores)
+    if how == "log-softmax":
+        norm = scores - torch.logsumexp(scores, dim=-1, keepdim=True)
+    elif how == "z-score":
+        n = valid.sum(-1, keepdim=True).clamp(min=1)
+        x = scores.masked_fill(~valid, 0.0)
+        mean = x.sum(-1, keepdim=True) / n
+        var = ((x - mean).masked_fill(~valid, 0.0) ** 2).sum(-1, keepdim=True) / n
+        norm = (x - mean) / var.sqrt().clamp(min=1e-6)
+    else:
+        raise ValueError(f"head_reduction {how!r}: one of {HEAD_REDUCTIONS}")
+    # a block with no valid chunk has NaN from the log-softmax; invalid chunks stay -inf
+    return norm.masked_fill(~valid, NEG_INF).amax(dim=1)
 
 
 def bisect_steps(chunk_size: int) -> int:
@@ -642,18 +675,18 @@ def _stage_scores(
 ) -> torch.Tensor:
     """SelectRep scores of one stage, with the layer's RoPE style (§2) when it has one."""
     rope = params.rope
+    how = params.head_reduction
     if rope is None or rope.pruning == "none":
-        return select_rep_scores(qp, k, cand, chunk_size, key_limit, params.probe)
+        return select_rep_scores(qp, k, cand, chunk_size, key_limit, params.probe,
+                                 head_reduction=how)  # fmt: skip
     sw = params.scan_window
     if rope.pruning == "relative":
         q_left, q_right = relative_queries(qp, rope.table, sw)
-        return select_rep_scores(
-            q_left, k, cand, chunk_size, key_limit, params.probe, q_pooled_right=q_right
-        )
+        return select_rep_scores(q_left, k, cand, chunk_size, key_limit, params.probe,
+                                 q_pooled_right=q_right, head_reduction=how)  # fmt: skip
     delta = chunk_indexed_key_turn(cand.starts.shape[1], block_min_pos, sw)
-    return select_rep_scores(
-        qp, k, cand, chunk_size, key_limit, params.probe, chunk_rotation=(delta, rope.table)
-    )
+    return select_rep_scores(qp, k, cand, chunk_size, key_limit, params.probe,
+                             chunk_rotation=(delta, rope.table), head_reduction=how)  # fmt: skip
 
 
 def _block_scores(
@@ -675,7 +708,8 @@ def _block_scores(
 
     def true_scores() -> torch.Tensor:
         qp = pool_queries(true_qk[0], st.block_size_q, st.query_stride) * scale
-        return select_rep_scores(qp, true_qk[1], cand, st.chunk_size, key_limit, params.probe)
+        return select_rep_scores(qp, true_qk[1], cand, st.chunk_size, key_limit, params.probe,
+                                 head_reduction=params.head_reduction)  # fmt: skip
 
     if rope is None or rope.pruning == "none":
         return true_scores()

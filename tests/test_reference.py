@@ -101,6 +101,32 @@ def test_select_rep_probe_rules_by_hand():
     assert first.item() == 3.0
 
 
+def test_head_reductions_rank_a_sharp_heads_chunk_over_a_flat_heads_larger_score():
+    inf = float("inf")
+    # head 0: large, flat scores (its best, chunk 1, barely stands out); head 1: small scores
+    # with one chunk (2) far above its others. Chunk 3 is invalid; block 1 has no valid chunk.
+    scores = torch.tensor([[[10.0, 10.5, 10.2, -inf], [1.0, 0.0, 5.0, -inf]],
+                           [[-inf] * 4, [-inf] * 4]])  # fmt: skip
+    assert torch.equal(ref.reduce_heads(scores, "max"), scores.amax(dim=1))
+    assert int(ref.reduce_heads(scores, "max")[0].argmax()) == 1
+    for how in ("log-softmax", "z-score"):
+        out = ref.reduce_heads(scores, how)
+        assert int(out[0].argmax()) == 2, how
+        assert torch.isneginf(out[0, 3]) and torch.isneginf(out[1]).all(), how
+    with pytest.raises(ValueError, match="head_reduction"):
+        ref.reduce_heads(scores, "mean")
+    # select_rep_scores applies it: one key per chunk, so each head's chunk score is its q.k
+    k = torch.zeros(3, 1, 2)
+    k[:, 0, 0] = torch.tensor([10.0, 10.5, 10.2])
+    k[:, 0, 1] = torch.tensor([1.0, 0.0, 5.0])
+    q = torch.zeros(1, 2, 1, 2)
+    q[0, 0, 0, 0] = q[0, 1, 0, 1] = 1.0
+    cand = ref.Candidates(torch.tensor([[0, 1, 2]]), torch.ones(1, 3, dtype=torch.bool))
+    raw = ref.select_rep_scores(q, k, cand, 1, torch.tensor([3]))
+    soft = ref.select_rep_scores(q, k, cand, 1, torch.tensor([3]), head_reduction="log-softmax")
+    assert int(raw.argmax()) == 1 and int(soft.argmax()) == 2
+
+
 def test_chunk_activity_leaves_window_to_the_window():
     p = params(sink=16, window=64, chunks=(32, 8, 4), bq=16)
     cand = ref.first_stage_candidates(p, 300, torch.tensor([100, 299]))
