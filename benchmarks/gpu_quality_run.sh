@@ -27,8 +27,10 @@
 #   95 -> 65, niah_multikey_1 75 -> 20, niah_multikey_2 20 -> 0, qa_1 15 -> 0; run 3 reached 8
 #   samples of niah_single_2: 87.5): on the CPU that window lifts the decode steps' recall under
 #   the remapping from 0.84 to 0.96 at 2x (SmolLM2).
-# Samples: `ruler.py --model qwen2.5-coder-0.5b --generate-only --lengths 131072 --tasks
-# niah_multivalue fwe qa_2 vt`, and `--lengths 65536 --tasks all` (a fresh machine: 25 min).
+# Inputs on a fresh checkout (35 min): `bash benchmarks/gpu_prep.sh qwen ruler -- --model
+# qwen2.5-coder-0.5b --lengths 131072 --tasks niah_multivalue fwe qa_2 vt`, then
+# `.venv/bin/python benchmarks/ruler.py --generate-only --model qwen2.5-coder-0.5b --lengths 65536`
+# and `bash benchmarks/gpu_pack.sh qwen ruler` again.
 # The kernels these runs use passed compiled on the H200 on 2026-12-03 (115 tests,
 # benchmarks/results/gpu-tests-2026-12-03-remap.log, at e19ec74); a change to kernels/ since then
 # needs `bash benchmarks/gpu_e2e_run.sh tests` (or the pytest line of e19ec74's version of this
