@@ -65,7 +65,7 @@ def main() -> int:
     from vllm_infinitehip.config import InfiniteHiPConfig
 
     settings = json.loads(args.config)
-    config = json.dumps(settings, sort_keys=True) if settings else ""
+    config = json.dumps(settings, sort_keys=True)  # infinitehip rows carry "{}" for the defaults
     rows = [r for r in json.loads(args.samples.read_text())["rows"]
             if r["model"] == args.model and r["backend"] == "infinitehip"
             and r["task"] == args.task and r["context"] == args.context
