@@ -869,15 +869,15 @@ def remapped_attention_recall(
         qg = qq.view(hkv, hq // hkv, d) * scale
         return torch.einsum("hgd,thd->hgt", qg, kk).reshape(hq, t_len)
 
-    out = torch.empty(nq, hq, device=q.device)
+    # rows below the trained length are scored and attended at true positions (RopePlan): they
+    # come from attention_recall itself, bit for bit (one query scored alone can round
+    # differently from the batch on some CPUs)
+    out = attention_recall(q, k, q_positions, mask, scale)
     for i in range(nq):
         p = int(q_positions[i])
-        qi = q[i : i + 1].float()
-        if p < rope.trained_context:  # scored and attended at true positions (RopePlan)
-            s = scores(qi, kf)
-            probs = s.masked_fill(t > p, NEG_INF).softmax(dim=-1)
-            out[i] = (probs * mask[i]).sum(-1)
+        if p < rope.trained_context:
             continue
+        qi = q[i : i + 1].float()
         q0 = rotate(qi, -p, table)
         if rope.pruning == "relative":
             far_q, far_k = rotate(q0, sw + 1, table), k0
