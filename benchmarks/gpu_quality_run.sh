@@ -39,7 +39,6 @@ set -uo pipefail
 budget=${1:-1000}
 source "$(dirname "$0")/gpu_models.sh"
 ruler="python3 benchmarks/ruler.py --model qwen2.5-coder-0.5b --n 20 --device gpu --cache $RULER_CACHE"
-rest_4x="niah_multikey_3 niah_multivalue niah_multiquery vt cwe fwe qa_1 qa_2"
 j() { printf "'%s' " "$@"; }  # each argument one JSON config, quoted for the eval below
 ih2="$ruler --lengths 65536 --backends infinitehip --kv-cache-gib 7 --tasks"
 runs=(

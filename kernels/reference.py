@@ -371,7 +371,8 @@ def select_rep_scores(
     path: at each step it probes one key per half (the half's midpoint, or its first key) and
     descends into the half whose probe scores higher (max over the block's queries). The chunk
     score is the best probe score seen, max-reduced over heads, so all heads of a layer share the
-    ranking (``head_reduction``: see :func:`reduce_heads`). Invalid or empty chunks score ``-inf``. Returns ``[n_blocks, C]`` float32.
+    ranking (``head_reduction``: see :func:`reduce_heads`). Invalid or empty chunks score
+    ``-inf``. Returns ``[n_blocks, C]`` float32.
 
     Query blocks are independent, so they are scored a group at a time, with the gathered
     probe keys of a group near ``SELECT_REP_GROUP_BYTES``: intermediates that size are reused
