@@ -69,7 +69,7 @@ def main() -> int:
     rows = [r for r in json.loads(args.samples.read_text())["rows"]
             if r["model"] == args.model and r["backend"] == "infinitehip"
             and r["task"] == args.task and r["context"] == args.context
-            and (r["config"] or "") == config]  # fmt: skip
+            and r["config"] == config]  # fmt: skip
     path, tok, prompt_ids = ruler_answers.run_tokens(args.model, args.cache, args.n, args.seed)
     chosen = []
     for r in sorted(rows, key=lambda r: r["index"]):

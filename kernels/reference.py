@@ -497,9 +497,9 @@ def reduce_heads(scores: torch.Tensor, how: str = "max") -> torch.Tensor:
     elif how == "z-score":
         n = valid.sum(-1, keepdim=True).clamp(min=1)
         x = scores.masked_fill(~valid, 0.0)
-        mean = x.sum(-1, keepdim=True) / n
-        var = ((x - mean).masked_fill(~valid, 0.0) ** 2).sum(-1, keepdim=True) / n
-        norm = (x - mean) / var.sqrt().clamp(min=1e-6)
+        dev = x - x.sum(-1, keepdim=True) / n
+        var = (dev.masked_fill(~valid, 0.0) ** 2).sum(-1, keepdim=True) / n
+        norm = dev / var.sqrt().clamp(min=1e-6)
     else:
         raise ValueError(f"head_reduction {how!r}: one of {HEAD_REDUCTIONS}")
     # a block with no valid chunk has NaN from the log-softmax; invalid chunks stay -inf
