@@ -16,8 +16,9 @@
 # minutes more on a shared GPU). Each run writes under $RESULTS/<name>/ and logs to
 # $RESULTS/<name>.log; results.tgz brings them back, and benchmarks/merge_results.py joins them
 # into benchmarks/results (a later cell replaces an earlier one).
-# The runs are what issue 13 still lacks, the most needed first (six side by side: ten saturated
-# the GPU; with eight, infinitehip's RULER at 128K took 44 s a sample on 2026-12-03):
+# The runs, run 4 on 2026-12-04 (benchmarks/results/quality-gpu-2026-12-04-run4.log: all six
+# exited 0; 30 s a sample for infinitehip at 128K), are what issue 13 then lacked, the most needed
+# first (six side by side: ten saturated the GPU; with eight, 44 s a sample on 2026-12-03):
 # - RULER at 4x, the cells run 3 (2026-12-03) did not reach: infinitehip's niah_multivalue, fwe,
 #   qa_2 and vt (8 samples of 20), the default backend's vt and qa_2 (16 of 20);
 # - then in the same slots, the 2x cells measured under the former rule (queries inside the

@@ -1,7 +1,7 @@
 """Does a decode step's fresh mask keep the needle? RULER samples on a real model's Q/K (CPU, HF
 transformers; no vLLM engine).
 
-    python benchmarks/needle_decode.py benchmarks/results/ruler-samples-gpu-2026-12-03.json \\
+    python benchmarks/needle_decode.py benchmarks/results/ruler-samples-gpu-2026-12-04.json \\
         --task niah_multikey_1 --context 32768 --config '{"rope_extension": false}' --limit 4
 
 For each chosen sample (the ones whose answer, from the samples file's infinitehip engine with

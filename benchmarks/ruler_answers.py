@@ -1,7 +1,7 @@
 """Where RULER's wrong numeric answers leave the truth, per backend and setting, from a RULER run's
 recorded answers (``ruler-samples-<gpu|cpu>-<date>.json``) and the samples' prompts.
 
-    python benchmarks/ruler_answers.py benchmarks/results/ruler-samples-gpu-2026-12-03.json \\
+    python benchmarks/ruler_answers.py benchmarks/results/ruler-samples-gpu-2026-12-04.json \\
         [--models qwen2.5-coder-0.5b smollm2-135m] [--cache .cache/ruler]
 
 For the single-number needle tasks (niah_single_1/2, niah_multikey_1/2; Qwen's and SmolLM2's
