@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Third of three device calls (shared/device/README.md), with the vLLM bundle in /root/b:
+# The last of the device calls that carry `bash benchmarks/gpu_pack.sh`'s pieces (that script says
+# how; gpu_env.sh joins them into /root/b). Since 2026-12-04 the tree is too large to travel beside
+# shared/device's own 60 MiB part (.bundle/call1), so its three-call recipe no longer fits here.
+# The last call is one of:
 #   run(command="bash benchmarks/gpu_e2e_run.sh tests")            kernel + vLLM GPU tests
 #   run(command="bash benchmarks/gpu_e2e_run.sh kernel-tests")     the kernel tests alone
 #   run(command="bash benchmarks/gpu_e2e_run.sh vllm-tests [-k EXPR]") the vLLM GPU tests alone
