@@ -95,7 +95,9 @@ def plot_passkey(result: dict, out: Path) -> None:
             ax.set_title(f"{model} (trained {rows[0]['trained_context'] // 1024}K)\n{label}",
                          fontsize=10)
         fig.colorbar(im, ax=ax_row.tolist(), shrink=0.8, label="passkey accuracy")
-    fig.suptitle(f"passkey retrieval, {result['gpu']}, {result['date']}")
+    # above the panels' two-line titles: the default height overlaps them in a one-row figure
+    fig.suptitle(f"passkey retrieval, {result['gpu']}, {result['date']}",
+                 y=1.0 + 0.3 / fig.get_figheight())
     fig.savefig(out, dpi=110, bbox_inches="tight")
 
 
