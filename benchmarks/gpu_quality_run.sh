@@ -8,7 +8,7 @@
 # how), the last carry call starts it in the background (benchmarks/gpu_background.sh), and the
 # wait calls follow IN THE SAME MESSAGE, so that no gap lets the machine go back (2026-12-03: a
 # wait sent after reading the start call's reply found a fresh machine, and the RULER rows were
-# lost). With 12 carry calls (about 150 s with the machine's start; 11 before the 54 MB pieces) about 1650 s are left:
+# lost). With 12 carry calls (about 150 s with the machine's start) about 1650 s are left:
 #   run(carry=[".bundle/pack/NN", ".whl"], command="cp .bundle/pack/NN/* /root/p/ && bash benchmarks/gpu_background.sh start 'bash benchmarks/gpu_quality_run.sh 1000'")
 #   run(command="bash benchmarks/gpu_background.sh wait")            (run's default timeout_s)
 #   run(command="bash benchmarks/gpu_background.sh wait 420", timeout_s=470)
