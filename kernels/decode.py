@@ -85,9 +85,14 @@ def stage_widths(params: ref.PruneParams, max_seq_len: int) -> list[int]:
     return widths
 
 
-def allocate_scores(widths: list[int], rows: int, device: torch.device) -> list[torch.Tensor]:
-    """Per-stage score scratch ``[rows, W_i]`` float32 at -inf, the state the kernels leave."""
-    return [torch.full((rows, w), float("-inf"), dtype=torch.float32, device=device)
+def allocate_scores(
+    widths: list[int], rows: int, device: torch.device, heads: int | None = None
+) -> list[torch.Tensor]:
+    """Per-stage score scratch ``[rows, W_i]`` float32 at -inf, the state the kernels leave;
+    with ``heads`` (``head_reduction`` ``"z-score"``: each head's scores are kept until the
+    row's ranking standardises them) ``[rows, heads, W_i]``."""
+    shape = (rows,) if heads is None else (rows, heads)
+    return [torch.full((*shape, w), float("-inf"), dtype=torch.float32, device=device)
             for w in widths]  # fmt: skip
 
 

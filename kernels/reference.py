@@ -82,11 +82,14 @@ class PruneParams:
     stages: tuple[StageParams, ...]
     probe: str = "midpoint"
     rope: RopePlan | None = None
-    # How a stage's per-head chunk scores become the layer's one ranking (HEAD_REDUCTIONS). Only
-    # "max" (the paper's) is in the kernels and the config; the others are research settings of
-    # the reference, set by benchmarks/needle_decode.py to test whether a head that reads a
-    # needle is outvoted by heads with larger raw scores.
+    # How a stage's per-head chunk scores become the layer's one ranking (HEAD_REDUCTIONS):
+    # "max" (the paper's) and "z-score" are in the kernels and the config; "log-softmax" is a
+    # research setting of the reference (benchmarks/needle_decode.py).
     head_reduction: str = "max"
+    # The last stage scores a chunk by its best key instead of bisecting (every key loaded).
+    exact_last_stage: bool = False
+    # Stages after the first drop candidates that start inside the window (:func:`run_stages`).
+    drop_window_candidates: bool = False
 
     @property
     def block_size_q(self) -> int:
@@ -357,8 +360,12 @@ def select_rep_scores(
     q_pooled_right: torch.Tensor | None = None,
     chunk_rotation: tuple[torch.Tensor, RopeTable] | None = None,
     head_reduction: str = "max",
+    exact: bool = False,
 ) -> torch.Tensor:
     """Score every candidate chunk of every query block with SelectRep (§1.4).
+
+    ``exact``: score each chunk by its best key (every key probed, against the left-branch
+    queries) instead of bisecting; meant for the last stage, whose chunks are a few keys.
 
     RoPE remapping (§2): ``q_pooled_right`` scores right-branch probes with other queries (the
     relative style puts the left and right probe keys at different positions); with
@@ -396,7 +403,7 @@ def select_rep_scores(
             q_pooled[sl], k, Candidates(cand.starts[sl], cand.valid[sl]), chunk_size,
             key_limit[sl], probe, None if q_pooled_right is None else q_pooled_right[sl],
             None if chunk_rotation is None else (chunk_rotation[0][sl], chunk_rotation[1]),
-            num_keys, use_table, head_reduction,
+            num_keys, use_table, head_reduction, exact,
         ))  # fmt: skip
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -413,6 +420,7 @@ def _select_rep_group(
     num_keys: int,
     use_table: bool,
     head_reduction: str,
+    exact: bool = False,
 ) -> torch.Tensor:
     """:func:`select_rep_scores` for one group of query blocks (``num_keys``: the call's)."""
     nb, hq = q_pooled.shape[:2]
@@ -458,6 +466,15 @@ def _select_rep_group(
     right = right.expand(nb, hq, c).clone()
     valid = (cand.valid & (cand.starts < key_limit.view(nb, 1))).view(nb, 1, c).expand(nb, hq, c)
     best = torch.full((nb, hq, c), NEG_INF, device=k.device)
+    if exact:
+        # every key of the chunk, in order; a valid chunk holds at least one (start < limit)
+        for j in range(chunk_size):
+            pos = left + j
+            live = valid & (pos < right)
+            if not bool(live.any()):
+                break
+            best = torch.where(live, torch.maximum(best, probe_score(pos)), best)
+        n_steps = 0
     for _ in range(n_steps):
         live = valid & (right - left > 1)
         if not bool(live.any()):
@@ -576,17 +593,19 @@ def run_stages(
     for i in range(start_stage, n_stages):
         st = params.stages[i]
         stage_inputs.append(cand)
+        scored = drop_window_candidates(params, cand, block_min_pos) if i > 0 else cand
         keep = min(st.keep_tokens // st.chunk_size, cand.starts.shape[1])
-        live = cand.valid & (cand.starts < key_limit.view(-1, 1))
+        live = scored.valid & (scored.starts < key_limit.view(-1, 1))
         if live.numel() == 0 or int(live.sum(1).max()) <= keep:
             # Every live chunk survives the top-k, so the scores cannot change the outcome.
             scores = torch.where(live, 0.0, NEG_INF)
         else:
-            scores = _block_scores(params, q, k, true_qk, st, scale, cand, key_limit,
-                                   block_min_pos, block_last)  # fmt: skip
+            exact = params.exact_last_stage and i == n_stages - 1
+            scores = _block_scores(params, q, k, true_qk, st, scale, scored, key_limit,
+                                   block_min_pos, block_last, exact)  # fmt: skip
         if reduce_scores is not None:
             scores = reduce_scores(scores)
-        kept_starts, kept_valid = keep_top_chunks(scores, cand, keep)
+        kept_starts, kept_valid = keep_top_chunks(scores, scored, keep)
         if i == n_stages - 1:
             return PruneResult(kept_starts, kept_valid, stage_inputs)
         nxt = params.stages[i + 1]
@@ -596,6 +615,20 @@ def run_stages(
             block_last = block_last_pos(q_positions, nxt.block_size_q)
             cand = refine_blocks(cand, st.block_size_q // nxt.block_size_q, key_limit)
     raise AssertionError("unreachable: at least one stage runs")
+
+
+def drop_window_candidates(
+    params: PruneParams, cand: Candidates, block_min_pos: torch.Tensor
+) -> Candidates:
+    """``cand`` less the chunks that start inside every query's window ``(p - n_stream, p]``
+    of their block (with ``params.drop_window_candidates``; else ``cand``). Stage 1's rule
+    (``start <= p - sw'``) lets a chunk straddle the window edge, so its sub-chunks may lie
+    inside it: block-sparse attention would drop them, and they would hold budget for nothing.
+    The stored stage inputs keep them; only scoring and the top-k skip them."""
+    if not params.drop_window_candidates:
+        return cand
+    edge = (block_min_pos.long() - params.window_tokens).view(-1, 1)
+    return Candidates(cand.starts, cand.valid & (cand.starts <= edge))
 
 
 def block_bounds(
@@ -673,21 +706,24 @@ def _stage_scores(
     chunk_size: int,
     key_limit: torch.Tensor,
     block_min_pos: torch.Tensor,
+    exact: bool = False,
 ) -> torch.Tensor:
     """SelectRep scores of one stage, with the layer's RoPE style (§2) when it has one."""
     rope = params.rope
     how = params.head_reduction
     if rope is None or rope.pruning == "none":
         return select_rep_scores(qp, k, cand, chunk_size, key_limit, params.probe,
-                                 head_reduction=how)  # fmt: skip
+                                 head_reduction=how, exact=exact)  # fmt: skip
     sw = params.scan_window
     if rope.pruning == "relative":
         q_left, q_right = relative_queries(qp, rope.table, sw)
         return select_rep_scores(q_left, k, cand, chunk_size, key_limit, params.probe,
-                                 q_pooled_right=q_right, head_reduction=how)  # fmt: skip
+                                 q_pooled_right=q_right, head_reduction=how,
+                                 exact=exact)  # fmt: skip
     delta = chunk_indexed_key_turn(cand.starts.shape[1], block_min_pos, sw)
     return select_rep_scores(qp, k, cand, chunk_size, key_limit, params.probe,
-                             chunk_rotation=(delta, rope.table), head_reduction=how)  # fmt: skip
+                             chunk_rotation=(delta, rope.table), head_reduction=how,
+                             exact=exact)  # fmt: skip
 
 
 def _block_scores(
@@ -701,6 +737,7 @@ def _block_scores(
     key_limit: torch.Tensor,
     block_min_pos: torch.Tensor,
     block_last: torch.Tensor,
+    exact: bool = False,
 ) -> torch.Tensor:
     """:func:`_stage_scores` for the query blocks the layer remaps (``q``, ``k`` un-rotated to
     position 0 then) and true-position scores for the others (``true_qk``: the queries and keys
@@ -710,7 +747,7 @@ def _block_scores(
     def true_scores() -> torch.Tensor:
         qp = pool_queries(true_qk[0], st.block_size_q, st.query_stride) * scale
         return select_rep_scores(qp, true_qk[1], cand, st.chunk_size, key_limit, params.probe,
-                                 head_reduction=params.head_reduction)  # fmt: skip
+                                 head_reduction=params.head_reduction, exact=exact)  # fmt: skip
 
     if rope is None or rope.pruning == "none":
         return true_scores()
@@ -718,7 +755,7 @@ def _block_scores(
     if not bool(remapped.any()):
         return true_scores()
     qp = pool_queries(q, st.block_size_q, st.query_stride) * scale
-    scores = _stage_scores(params, qp, k, cand, st.chunk_size, key_limit, block_min_pos)
+    scores = _stage_scores(params, qp, k, cand, st.chunk_size, key_limit, block_min_pos, exact)
     if bool(remapped.all()):
         return scores
     # only a chunk whose blocks lie on both sides of the trained length pays for both

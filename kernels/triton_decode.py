@@ -317,6 +317,9 @@ def _decode_select_kernel(
     stride_oc,
     keep,
     n_scores,
+    stride_sh,
+    n_heads,
+    window_tokens,
     STAGE: tl.constexpr,
     GROUP: tl.constexpr,
     HEADS: tl.constexpr,
@@ -341,6 +344,9 @@ def _decode_select_kernel(
     SUB: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    EXACT: tl.constexpr,
+    HEAD_SCORES: tl.constexpr,
+    DROP_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -361,17 +367,22 @@ def _decode_select_kernel(
                 _keep_top(
                     b, row_slot, seq_len, n_cand, width, scores_ptr, cand_ptr, counts_ptr,
                     widths_ptr, out_ptr, stride_sb, stride_cs, stride_cc, stride_ns, stride_os,
-                    stride_oc, sink_tokens, keep, n_scores, STAGE, OUT_INDEX, WRITE_WIDTH,
-                    CHUNK_SIZE, SUB, SPLIT, BLOCK_C,
+                    stride_oc, sink_tokens, keep, n_scores, stride_sh, n_heads, STAGE,
+                    OUT_INDEX, WRITE_WIDTH, CHUNK_SIZE, SUB, SPLIT, BLOCK_C, HEAD_SCORES,
                 )  # fmt: skip
         return
     offs_c = tile * BLOCK_CHUNK + tl.arange(0, BLOCK_CHUNK)
-    c_in = offs_c < n_cand
+    listed = offs_c < n_cand
+    c_in = listed
     if STAGE == 0:
         start = sink_tokens + offs_c * CHUNK_SIZE
     else:
         cand_row = cand_ptr + row_slot.to(tl.int64) * stride_cs
         start = tl.load(cand_row + offs_c * stride_cc, mask=c_in, other=0)
+        if DROP_WINDOW:
+            # a candidate inside the window would hold budget for keys the window reads anyway
+            # (reference.drop_window_candidates); it scores -inf and is never kept
+            c_in = c_in & (start <= seq_len - 1 - window_tokens)
     # key_limit of a decode query is its whole context
     right0 = tl.minimum(start + CHUNK_SIZE, seq_len)
 
@@ -410,7 +421,24 @@ def _decode_select_kernel(
         left = start
         right = right0
         best = tl.full([BLOCK_CHUNK], float("-inf"), tl.float32)
-        for _ in range(N_ITERS):
+        if EXACT:
+            # every key of the chunk against the left-branch query (reference: ``exact``)
+            for j in tl.static_range(CHUNK_SIZE):
+                p_key = start + j
+                live_key = c_in & (p_key < right0)
+                s_key, hk, mk = _probe(
+                    kv_ptr, bt_row, stride_btp, p_key, live_key, kv_head, qa, qb, qp, offs_d,
+                    d_in, head_dim, stride_kpage, stride_ktok, stride_khead, stride_kd,
+                    tl.where(remap, base - p_key, 0),
+                    rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, bank_ptr, table_ptr,
+                    stride_slot, rows_ptr, row_table_ptr, missed_ptr, missed_rows_ptr,
+                    row_state_ptr, stride_row, missed_cap, n_kv_heads, PAGE_SIZE, ROPE, ROT_DIM,
+                    IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, HAS_BANK, HAS_ROWS, k_scale, KV_FP8,
+                )  # fmt: skip
+                best = tl.where(live_key, tl.maximum(best, s_key), best)
+                row_hits += hk
+                row_misses += mk
+        for _ in range(0 if EXACT else N_ITERS):
             live = c_in & (right - left > 1)
             mid = (left + right) // 2
             if MIDPOINT:
@@ -459,12 +487,18 @@ def _decode_select_kernel(
             best = tl.where(single, s_single, best)
             row_hits += h3
             row_misses += m3
+        if HEAD_SCORES:
+            # each head's own scores; the row's top-k program standardises them (z-score)
+            tl.store(scores_ptr + b.to(tl.int64) * stride_sb + head * stride_sh + offs_c, best,
+                     mask=listed)  # fmt: skip
         best_all = tl.maximum(best_all, best)
     if HAS_ROWS:
         tl.atomic_add(row_state_ptr + 2, row_hits.to(tl.int64), sem="relaxed")
         tl.atomic_add(row_state_ptr + 3, row_misses.to(tl.int64), sem="relaxed")
-    # The max over heads is exact in any order, so the atomic keeps the result deterministic.
-    tl.atomic_max(scores_ptr + b.to(tl.int64) * stride_sb + offs_c, best_all, mask=c_in)
+    if not HEAD_SCORES:
+        # The max over heads is exact in any order, so the atomic keeps the result
+        # deterministic.
+        tl.atomic_max(scores_ptr + b.to(tl.int64) * stride_sb + offs_c, best_all, mask=c_in)
     if FUSE_TOP:
         # The row's last program to arrive ranks its scores: the top-k costs no launch of its
         # own (a reuse step's cascade is launches whose programs exit at once). The barrier
@@ -477,8 +511,8 @@ def _decode_select_kernel(
             _keep_top(
                 b, row_slot, seq_len, n_cand, width, scores_ptr, cand_ptr, counts_ptr,
                 widths_ptr, out_ptr, stride_sb, stride_cs, stride_cc, stride_ns, stride_os,
-                stride_oc, sink_tokens, keep, n_scores, STAGE, OUT_INDEX, WRITE_WIDTH,
-                CHUNK_SIZE, SUB, SPLIT, BLOCK_C,
+                stride_oc, sink_tokens, keep, n_scores, stride_sh, n_heads, STAGE, OUT_INDEX,
+                WRITE_WIDTH, CHUNK_SIZE, SUB, SPLIT, BLOCK_C, HEAD_SCORES,
             )  # fmt: skip
 
 
@@ -503,6 +537,8 @@ def _keep_top(
     sink_tokens,
     keep,
     n_scores,
+    stride_sh,
+    n_heads,
     STAGE: tl.constexpr,
     OUT_INDEX: tl.constexpr,
     WRITE_WIDTH: tl.constexpr,
@@ -510,15 +546,33 @@ def _keep_top(
     SUB: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    HEAD_SCORES: tl.constexpr,
 ):
     """Row ``b``'s top ``keep`` chunks by score, split into the next stage's input (or the
-    final blocks) of its slot; resets the scores it read to -inf."""
+    final blocks) of its slot; resets the scores it read to -inf. With ``HEAD_SCORES`` the
+    scores are per head (``[H_q, C]`` of the row, every listed entry written by this launch)
+    and rank by the max over heads of each head's z-score (:func:`reference.reduce_heads`)."""
     offs = tl.arange(0, BLOCK_C)
     in_c = offs < n_scores
     score_row = scores_ptr + b.to(tl.int64) * stride_sb
-    # .cg: the scores are other programs' atomics, in L2; an L1 line of them could be stale
-    s = tl.load(score_row + offs, mask=in_c, other=float("-inf"), cache_modifier=".cg")
-    tl.store(score_row + offs, tl.full([BLOCK_C], float("-inf"), tl.float32), mask=in_c)
+    if HEAD_SCORES:
+        listed = in_c & (offs < n_cand)
+        s = tl.full([BLOCK_C], float("-inf"), tl.float32)
+        for h in range(n_heads):
+            # .cg: other programs' stores, in L2; an L1 line of them could be stale
+            x = tl.load(score_row + h * stride_sh + offs, mask=listed, other=float("-inf"),
+                        cache_modifier=".cg")  # fmt: skip
+            ok = x > float("-inf")
+            n = tl.maximum(tl.sum(ok.to(tl.float32), axis=0), 1.0)
+            x0 = tl.where(ok, x, 0.0)
+            dev = x0 - tl.sum(x0, axis=0) / n
+            var = tl.sum(tl.where(ok, dev * dev, 0.0), axis=0) / n
+            z = dev / tl.maximum(tl.sqrt(var), 1e-6)
+            s = tl.maximum(s, tl.where(ok, z, float("-inf")))
+    else:
+        # .cg: the scores are other programs' atomics, in L2; an L1 line of them could be stale
+        s = tl.load(score_row + offs, mask=in_c, other=float("-inf"), cache_modifier=".cg")
+        tl.store(score_row + offs, tl.full([BLOCK_C], float("-inf"), tl.float32), mask=in_c)
     if STAGE == 0:
         start = sink_tokens + offs * CHUNK_SIZE
     else:
@@ -578,6 +632,8 @@ def _top_chunks_kernel(
     scan_window,
     keep,
     n_scores,
+    stride_sh,
+    n_heads,
     STAGE: tl.constexpr,
     OUT_INDEX: tl.constexpr,
     WRITE_WIDTH: tl.constexpr,
@@ -585,6 +641,7 @@ def _top_chunks_kernel(
     SUB: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    HEAD_SCORES: tl.constexpr,
 ):
     b = tl.program_id(0)
     row_slot = tl.load(slot_ptr + b)
@@ -599,11 +656,20 @@ def _top_chunks_kernel(
     _keep_top(
         b, row_slot, seq_len, n_cand, width, scores_ptr, cand_ptr, counts_ptr, widths_ptr,
         out_ptr, stride_sb, stride_cs, stride_cc, stride_ns, stride_os, stride_oc, sink_tokens,
-        keep, n_scores, STAGE, OUT_INDEX, WRITE_WIDTH, CHUNK_SIZE, SUB, SPLIT, BLOCK_C,
+        keep, n_scores, stride_sh, n_heads, STAGE, OUT_INDEX, WRITE_WIDTH, CHUNK_SIZE, SUB,
+        SPLIT, BLOCK_C, HEAD_SCORES,
     )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- host side
+def _head_args(scores: torch.Tensor) -> tuple[int, int]:
+    """(stride between heads, heads) of a per-head scratch ``[rows, H_q, C]``; (0, 0) for the
+    max-reduced one ``[rows, C]``."""
+    if scores.dim() == 3:
+        return scores.stride(1), scores.shape[1]
+    return 0, 0
+
+
 def _top_args(
     scores: torch.Tensor, masks: DecodeMasks, params: ref.PruneParams, stage: int
 ) -> tuple[torch.Tensor, torch.Tensor, int, dict]:
@@ -617,7 +683,8 @@ def _top_args(
     cand = masks.inputs[stage] if stage > 0 else masks.counts  # placeholder at stage 0
     meta = dict(STAGE=stage, OUT_INDEX=n if last else stage + 1, WRITE_WIDTH=not last,
                 CHUNK_SIZE=st.chunk_size, SUB=sub, SPLIT=st.chunk_size // sub,
-                BLOCK_C=triton.next_power_of_2(scores.shape[1]))  # fmt: skip
+                BLOCK_C=triton.next_power_of_2(scores.shape[-1]),
+                HEAD_SCORES=scores.dim() == 3)  # fmt: skip
     return cand, out, st.keep_tokens // st.chunk_size, meta
 
 
@@ -639,7 +706,7 @@ def top_chunks(
         scores, rows.seq_lens, rows.slots, rows.levels, cand, masks.counts, masks.widths, out,
         scores.stride(0), cand.stride(0), cand.stride(1), masks.counts.stride(0),
         out.stride(0), out.stride(1),
-        params.sink_tokens, params.scan_window, keep, scores.shape[1],
+        params.sink_tokens, params.scan_window, keep, scores.shape[-1], *_head_args(scores),
         num_warps=4 if block_c <= 1024 else 8 if block_c <= 4096 else 16, **meta,
     )  # fmt: skip
 
@@ -805,7 +872,9 @@ def refresh_masks(
     ``q`` is ``[B, H_q, D]`` (the decode queries, unscaled, rotated at their true positions;
     with ``placement``, a row whose query sits below ``params.rope.trained_context`` is scored
     at true positions, as without it, chosen on the device);
-    ``scores[i]`` is stage ``i``'s scratch, ``[>= B, >= W_i]`` float32 at -inf (left so).
+    ``scores[i]`` is stage ``i``'s scratch, ``[>= B, >= W_i]`` float32 at -inf (left so), or,
+    with ``params.head_reduction`` ``"z-score"``, ``[>= B, H_q, >= W_i]`` per-head scores
+    (:func:`decode.allocate_scores`; any contents: each launch writes what it reads).
     Launches ``n_stages`` kernels whatever the levels (a stage wider than
     :data:`FUSED_TOP_MAX_CHUNKS`, or every stage with ``reduce_scores``, adds its top-k
     launch); no host sync, graph-capturable once
@@ -836,6 +905,13 @@ def refresh_masks(
     batch, hq, d = q.shape
     if batch == 0:
         return
+    per_head = params.head_reduction == "z-score"
+    if params.head_reduction not in ("max", "z-score"):
+        raise ValueError(f"head_reduction {params.head_reduction!r}: decode runs max or z-score")
+    if per_head and (reduce_scores is not None or scores[0].dim() != 3
+                     or scores[0].shape[1] != hq):
+        raise ValueError("z-score ranking needs per-head scratch [rows, H_q, C] "
+                         "(decode.allocate_scores with heads) and no reduce_scores")
     hkv = kv_cache.shape[3]
     page_size = kv_cache.shape[2]
     trained = params.remap_from
@@ -875,7 +951,7 @@ def refresh_masks(
             q_left, q_right = place_queries(q, rows.seq_lens, scale, placement, tables,
                                             query_buffers, trained)  # fmt: skip
         for i, st in enumerate(params.stages):
-            width = scores[i].shape[1]
+            width = scores[i].shape[-1]
             cand, out, keep, top_meta = _top_args(scores[i], masks, params, i)
             # tp_mask "global" combines every rank's scores between SelectRep and the top-k
             fuse = (fuse_top and reduce_scores is None
@@ -888,8 +964,10 @@ def refresh_masks(
                 *q_left.stride(), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
                 kv_cache.stride(4), *rows.block_table.stride(), cand.stride(0), cand.stride(1),
                 masks.counts.stride(0), scores[i].stride(0), arrivals, out, out.stride(0),
-                out.stride(1), keep, width,
+                out.stride(1), keep, width, *_head_args(scores[i]), params.window_tokens,
                 GROUP=hq // hkv, HEADS=heads, PAGE_SIZE=page_size,
+                EXACT=params.exact_last_stage and i == len(params.stages) - 1,
+                DROP_WINDOW=params.drop_window_candidates,
                 N_ITERS=ref.bisect_steps(st.chunk_size), MIDPOINT=params.probe == "midpoint",
                 LO_BITS=LO_BITS, BLOCK_CHUNK=block_chunk, BLOCK_D=block_d,
                 HAS_BANK=bank is not None, HAS_ROWS=key_rows is not None, KV_FP8=kv_fp8,

@@ -232,6 +232,7 @@ def _select_rep_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     blk = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -297,6 +298,20 @@ def _select_rep_kernel(
 
     # Tiles past the live context (static shapes: the allocated maximum) skip the bisection.
     n_iters = tl.where(tl.max(valid.to(tl.int32), axis=0) > 0, N_ITERS, 0)
+    if EXACT:
+        # Every key of the chunk against the left-branch queries; a valid chunk holds at least
+        # one key (start < limit), so none is left at -inf.
+        for j in tl.static_range(CHUNK_SIZE):
+            pos = left + j
+            live = valid & (pos < right)
+            s = _probe_scores(
+                k_head_ptr, block_table_ptr, pos, live, qa_t, qb_t, qp_t, q_absent, offs_d,
+                d_in, head_dim, stride_kpage, stride_ktok, stride_kd, base - pos, turn,
+                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION,
+                ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
+            )  # fmt: skip
+            best = tl.where(live, tl.maximum(best, s), best)
+        n_iters = 0
     for _ in range(n_iters):
         live = valid & (right - left > 1)
         mid = (left + right) // 2
@@ -392,8 +407,15 @@ def select_rep_scores_paged(
     v_scale: float | torch.Tensor | None = None,
     block_rows: torch.Tensor | None = None,
     turn_blocks: torch.Tensor | None = None,
+    head_reduction: str = "max",
+    exact: bool = False,
 ) -> torch.Tensor:
     """SelectRep chunk scores ``[n_blocks, C]`` float32, equal to ``reference.select_rep_scores``.
+
+    ``head_reduction`` turns the per-head scores into the ranking as
+    :func:`reference.reduce_heads` does; ``exact`` scores each chunk by its best key (every key
+    loaded, against the left-branch queries) instead of bisecting, as the reference's
+    ``exact``.
 
     ``q_pooled`` is ``[n_blocks, H_q, n_q, D]``, already multiplied by the softmax scale; a row
     containing NaN is an absent query (as :func:`reference.pool_queries` produces) and takes no
@@ -563,6 +585,7 @@ def select_rep_scores_paged(
         PAGE_SIZE=page_size,
         CHUNK_SIZE=chunk_size,
         N_ITERS=ref.bisect_steps(chunk_size),
+        EXACT=exact,
         MIDPOINT=probe == "midpoint",
         FAST_DOT=precision == "fast",
         PRECISION={"ieee": "ieee", "tf32": "tf32"}.get(precision, "tf32x3"),
@@ -576,7 +599,7 @@ def select_rep_scores_paged(
         num_stages=num_stages,
         **rope_meta,
     )
-    return per_head_out.amax(dim=1)
+    return ref.reduce_heads(per_head_out, head_reduction)
 
 
 # --------------------------------------------------------------------------- the cascade
@@ -717,6 +740,7 @@ def run_stages_blocks(
     for i in range(start_stage, n_stages):
         st = params.stages[i]
         stage_inputs.append(cand)
+        scored = ref.drop_window_candidates(params, cand, block_min_pos) if i > 0 else cand
         c = cand.starts.shape[1]
         n_blocks = key_limit.shape[0]
         keep = min(st.keep_tokens // st.chunk_size, c)
@@ -749,8 +773,8 @@ def run_stages_blocks(
             q_left,
             kv_cache,
             block_table,
-            cand.starts,
-            cand.valid,
+            scored.starts,
+            scored.valid,
             key_limit,
             chunk_size=st.chunk_size,
             probe=params.probe,
@@ -761,10 +785,12 @@ def run_stages_blocks(
             v_scale=v_scale,
             block_rows=stage_blocks.row,
             turn_blocks=turn,
+            head_reduction=params.head_reduction,
+            exact=params.exact_last_stage and i == n_stages - 1,
         )
         if reduce_scores is not None:
             scores = reduce_scores(scores)
-        kept_starts, kept_valid = ref.keep_top_chunks(scores, cand, keep)
+        kept_starts, kept_valid = ref.keep_top_chunks(scores, scored, keep)
         if i == n_stages - 1:
             return ref.PruneResult(kept_starts, kept_valid, stage_inputs)
         nxt = params.stages[i + 1]

@@ -45,6 +45,17 @@ def test_every_field_overridable_and_json_string():
     assert InfiniteHiPConfig.from_user(c.to_dict()) == c
 
 
+def test_selection_rules_parse_and_reach_the_layers():
+    from vllm_infinitehip.backend import layer_prune_params
+
+    raw = {"head_reduction": "z-score", "exact_last_stage": True, "drop_window_candidates": True}
+    c = InfiniteHiPConfig.from_user(raw)
+    p = layer_prune_params(c, 5)
+    assert (p.head_reduction, p.exact_last_stage, p.drop_window_candidates) == (
+        "z-score", True, True)
+    assert InfiniteHiPConfig.from_user(c.to_dict()) == c
+
+
 @pytest.mark.parametrize(
     "raw, field",
     [
@@ -76,6 +87,10 @@ def test_every_field_overridable_and_json_string():
         ({"stages": [{"chunk_size": 8, "keep_tokens": 64, "size": 1}]}, "infinitehip.stages[0].size"),
         ({"dense_layers": [-1]}, "infinitehip.dense_layers[0]"),
         ({"prefill_final_query_own_mask": 1}, "infinitehip.prefill_final_query_own_mask"),
+        ({"head_reduction": "mean"}, "infinitehip.head_reduction"),
+        ({"exact_last_stage": "yes"}, "infinitehip.exact_last_stage"),
+        ({"drop_window_candidates": 0}, "infinitehip.drop_window_candidates"),
+        ({"head_reduction": "z-score", "tp_mask": "global"}, "infinitehip.head_reduction"),
         ("{not json", "not valid JSON"),
     ],
 )

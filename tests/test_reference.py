@@ -456,3 +456,40 @@ def test_fp8_reads_through_the_bank_and_decode_references_dequantize():
                                                   d, **sc)  # fmt: skip
     with pytest.raises(ValueError, match="k_scale"):
         dec.attend_reference(params, masks, q, stored, rows, 0.2)
+
+
+# --------------------------------------------------------------------------- brute-force oracle
+def _oracle_top_blocks(k: torch.Tensor, q: torch.Tensor, n: int, sink: int, window: int) -> set:
+    """The ``n`` 8-key blocks a brute-force reader ranks first: every key's exact score in every
+    query head (no SelectRep, no cascade), a block's score per head its best key, each head's
+    block scores standardised, the max over heads. Blocks overlapping the sink or the window
+    are not candidates."""
+    t, hkv, d = k.shape
+    hq = q.shape[1]
+    heads_kv = torch.arange(hq) // (hq // hkv)
+    scores = torch.einsum("hd,thd->ht", q[0], k[:, heads_kv])  # [H_q, T]
+    first, last = sink, (t - 1 - window) // 8 * 8
+    blocks = scores[:, first:last].reshape(hq, -1, 8).amax(-1)  # [H_q, blocks]
+    z = (blocks - blocks.mean(-1, keepdim=True)) / blocks.std(-1, unbiased=False, keepdim=True)
+    top = z.amax(0).topk(n).indices
+    return {first + 8 * int(i) for i in top}
+
+
+@pytest.mark.parametrize("builder", ["dominant_head", "sharp_keys"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reference_keeps_what_a_brute_force_reader_ranks_first(builder, seed):
+    """Planted needles (tests/helpers/planted.py) are what the oracle ranks first, and the
+    reference cascade with z-score ranking, exact last stage and the window check keeps every
+    one of them in its final blocks."""
+    import dataclasses
+
+    from tests.helpers import planted
+
+    case = getattr(planted, builder)(seed)
+    top = _oracle_top_blocks(case.k, case.q, len(case.needles), planted.SINK, planted.WINDOW)
+    assert top == set(case.needles)  # the oracle sees the planting
+    params = dataclasses.replace(case.params, head_reduction="z-score", exact_last_stage=True,
+                                 drop_window_candidates=True)
+    t = case.k.shape[0]
+    result = ref.run_stages(params, case.q, case.k, torch.tensor([t - 1]), 1.0)
+    assert top <= planted.kept_blocks(result)

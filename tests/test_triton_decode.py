@@ -8,6 +8,7 @@ no code is shared with the kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -592,3 +593,102 @@ def test_place_queries_leaves_rows_inside_the_trained_length_at_true_positions()
     assert torch.equal(got_l.cpu()[[0, 2]], want_l[[0, 2]])  # a turn by 0 is exact
     assert torch.allclose(got_l.cpu(), want_l, rtol=0, atol=2e-5)
     assert torch.allclose(got_r.cpu(), want_r, rtol=0, atol=2e-5)
+
+
+# --------------------------------------------------------------------------- selection rules
+def _paged(k: torch.Tensor, page: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k`` in a paged cache at shuffled pages (V random), and its one-row block table."""
+    t, hkv, d = k.shape
+    n = -(-t // page)
+    cache = torch.randn(n + 2, 2, page, hkv, d, generator=gen)
+    perm = torch.randperm(n + 2, generator=gen)[:n]
+    padded = torch.zeros(n * page, hkv, d)
+    padded[:t] = k
+    cache[perm, 0] = padded.view(n, page, hkv, d)
+    return cache, perm.to(torch.int32).view(1, n)
+
+
+RULES = {
+    "dominant-head": ("dominant_head", {"head_reduction": "z-score"}),
+    "sharp-key": ("sharp_keys", {"exact_last_stage": True}),
+    "window-overlap": ("recent_keys", {"drop_window_candidates": True}),
+}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_selection_rule_kernels_equal_reference_where_the_rule_decides(rule):
+    """On a case built so that the rule changes the kept blocks (tests/helpers/planted.py),
+    the batched decode cascade keeps exactly the reference's, and the rule does what it is
+    for: the needles survive (or no final block lies inside the window)."""
+    from tests.helpers import planted
+
+    builder, rules = RULES[rule]
+    case = getattr(planted, builder)(seed=1)
+    t = case.k.shape[0]
+    gen = torch.Generator().manual_seed(3)
+    cache, table = _paged(case.k, 16, gen)
+    paper = case.params
+    params = planted.with_rules(paper, **rules)
+    final_keep = params.stages[-1].keep_tokens
+    hq = case.q.shape[1]
+    results = {}
+    for name, p in (("paper", paper), ("rule", params)):
+        want = dec.DecodeMasks.allocate(p, final_keep, 1, torch.device("cpu"))
+        got = dec.DecodeMasks.allocate(p, final_keep, 1, torch.device(DEVICE))
+        heads = hq if p.head_reduction == "z-score" else None
+        scores = dec.allocate_scores(dec.stage_widths(p, t), 1, torch.device(DEVICE), heads)
+        dec.refresh_masks_reference(p, want, case.q, cache, rows_on("cpu", table, [t], [0], [0]),
+                                    1.0)  # fmt: skip
+        td.refresh_masks(p, got, case.q.to(DEVICE), cache.to(DEVICE),
+                         rows_on(DEVICE, table, [t], [0], [0]), 1.0, scores)  # fmt: skip
+        assert_masks_equal(got, want, [0])
+        results[name] = set(want.final[0, : int(want.counts[0, -1])].tolist())
+    if case.needles:
+        assert not set(case.needles) <= results["paper"]  # the paper's rule loses a needle
+        assert set(case.needles) <= results["rule"]
+    else:
+        edge = t - 1 - planted.WINDOW
+        assert any(s > edge for s in results["paper"])
+        assert not any(s > edge for s in results["rule"])
+
+
+@pytest.mark.parametrize("rope_style", ROPE_STYLES)
+def test_all_selection_rules_cascade_equals_reference_at_mixed_levels(rope_style):
+    """z-score ranking, exact last stage and the window check together, on random keys, with
+    every RoPE style and rows resuming at every level, fused top-k and not."""
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d, page = 4, 2, 32, 16
+    rope = rope_plan(rope_style, d)
+    params = dataclasses.replace(small_params(rope), head_reduction="z-score",
+                                 exact_last_stage=True, drop_window_candidates=True)
+    seq_lens = [1500, 2900, 700]
+    cache, table, q = batch(seq_lens, hq, hkv, d, page, gen)
+    scale = d**-0.5
+    slots = [2, 0, 1]
+    want = dec.DecodeMasks.allocate(params, 64, 3, torch.device("cpu"))
+    got = dec.DecodeMasks.allocate(params, 64, 3, torch.device(DEVICE))
+    scores = dec.allocate_scores(dec.stage_widths(params, 3000), 4, torch.device(DEVICE), hq)
+    placement = None
+    if rope is not None:
+        placement = td.QueryPlacement.build(rope_style, rope.table, params.scan_window,
+                                            torch.device(DEVICE))  # fmt: skip
+    for levels, fuse in (([0, 0, 0], True), ([1, 2, 0], False), ([2, 1, 1], True)):
+        dec.refresh_masks_reference(params, want, q, cache,
+                                    rows_on("cpu", table, seq_lens, slots, levels), scale)
+        td.refresh_masks(params, got, q.to(DEVICE), cache.to(DEVICE),
+                         rows_on(DEVICE, table, seq_lens, slots, levels), scale, scores,
+                         placement, fuse_top=fuse)  # fmt: skip
+        assert_masks_equal(got, want, slots)
+        q = torch.randn(q.shape, generator=gen)
+
+
+def test_z_score_ranking_refuses_max_reduced_scratch():
+    params = dataclasses.replace(small_params(), head_reduction="z-score")
+    cache, table, q = batch([700], 4, 2, 32, 16, torch.Generator().manual_seed(0))
+    masks = dec.DecodeMasks.allocate(params, 64, 1, torch.device(DEVICE))
+    scores = dec.allocate_scores(dec.stage_widths(params, 700), 1, torch.device(DEVICE))
+    with pytest.raises(ValueError, match="per-head scratch"):
+        td.refresh_masks(params, masks, q.to(DEVICE), cache.to(DEVICE),
+                         rows_on(DEVICE, table, [700], [0], [0]), 1.0, scores)  # fmt: skip
+
+

@@ -749,3 +749,67 @@ def test_realistic_decode_on_gpu(precision, min_overlap):
     assert int(want_r.block_valid.sum()) == 256
     assert overlap(got_r.block_starts, got_r.block_valid, want_r.block_starts,
                    want_r.block_valid) >= min_overlap  # fmt: skip
+
+
+# --------------------------------------------------------------------------- selection rules
+PRUNE_RULES = {
+    "dominant-head": ("dominant_head", {"head_reduction": "z-score"}),
+    "sharp-key": ("sharp_keys", {"exact_last_stage": True}),
+    "window-overlap": ("recent_keys", {"drop_window_candidates": True}),
+}
+
+
+@pytest.mark.parametrize("rule", list(PRUNE_RULES))
+def test_selection_rule_prefill_cascade_equals_reference_where_the_rule_decides(rule):
+    """The prefill cascade on a case built so that the rule changes the kept blocks
+    (tests/helpers/planted.py; 40 queries, the case's query at each): the kernel keeps the
+    reference's, and the last query block keeps the needles (or nothing inside its window)."""
+    import dataclasses
+
+    from tests.helpers import planted
+
+    builder, rules = PRUNE_RULES[rule]
+    case = getattr(planted, builder)(seed=1)
+    t, nq = case.k.shape[0], 40
+    gen = torch.Generator().manual_seed(5)
+    cache, block_table = paged_cache(case.k, 16, gen)
+    q = case.q.expand(nq, -1, -1).contiguous()
+    pos = torch.arange(t - nq, t)
+    kept = {}
+    for name, p in (("paper", case.params), ("rule", dataclasses.replace(case.params, **rules))):
+        want = ref.run_stages(p, q, case.k, pos, 1.0)
+        got = tp.run_stages_paged(p, q.to(DEVICE), cache, block_table, pos.to(DEVICE), 1.0,
+                                  seq_len=t)  # fmt: skip
+        assert_same_selection(got, want)
+        kept[name] = planted.kept_blocks(want, row=-1)
+    if case.needles:
+        assert not set(case.needles) <= kept["paper"]
+        assert set(case.needles) <= kept["rule"]
+    else:  # the last block's first query is at t - 8 (blocks of 32 from t - 40)
+        edge = t - 8 - planted.WINDOW
+        assert any(s > edge for s in kept["paper"])
+        assert not any(s > edge for s in kept["rule"])
+
+
+@pytest.mark.parametrize("pruning", [None, "relative", "chunk-indexed"])
+def test_all_selection_rules_prefill_cascade_equals_reference(pruning):
+    import dataclasses
+
+    t, nq, hq, hkv, d, page, scale = 700, 40, 4, 2, 32, 16, 0.18
+    gen = torch.Generator().manual_seed(23)
+    table = RopeTable.default(d, 10000.0)
+    pos = torch.arange(t - nq, t)
+    k = torch.randn(t, hkv, d, generator=gen)
+    q = torch.randn(nq, hq, d, generator=gen)
+    rope = None
+    if pruning is not None:
+        k, q = rotate(k, torch.arange(t), table), rotate(q, pos, table)
+        rope = ref.RopePlan(table, pruning, "streaming")
+    cache, block_table = paged_cache(k, page, gen)
+    params = dataclasses.replace(small_params("midpoint"), rope=rope, head_reduction="z-score",
+                                 exact_last_stage=True, drop_window_candidates=True)
+    want = ref.run_stages(params, q, k, pos, scale)
+    got = tp.run_stages_paged(params, q.to(DEVICE), cache, block_table, pos.to(DEVICE), scale,
+                              seq_len=t)  # fmt: skip
+    assert_same_selection(got, want)
+    assert_same_resume(params, q, k, cache, block_table, pos, scale, want)

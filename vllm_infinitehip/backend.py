@@ -77,6 +77,9 @@ def layer_prune_params(
         stages=tuple(stages),
         probe=config.probe,
         rope=rope,
+        head_reduction=config.head_reduction,
+        exact_last_stage=config.exact_last_stage,
+        drop_window_candidates=config.drop_window_candidates,
     )
 
 
@@ -331,7 +334,12 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             for name, p in params.items()
         }
         any_params = next(iter(params.values()))
-        scores = dec.allocate_scores(dec.stage_widths(any_params, max_len), max_rows, device)
+        score_heads = None
+        if self.config.head_reduction == "z-score":  # per-head scores until the row ranks them
+            score_heads = vllm_config.model_config.get_num_attention_heads(
+                vllm_config.parallel_config)
+        scores = dec.allocate_scores(dec.stage_widths(any_params, max_len), max_rows, device,
+                                     score_heads)  # fmt: skip
         workspace = arrivals = queries = None
         if device.type == "cuda":
             from vllm_infinitehip.kernels.triton_bsa import decode_workspace_floats

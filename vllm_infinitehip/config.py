@@ -58,6 +58,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 PROBE_RULES = ("midpoint", "first")
+HEAD_REDUCTIONS = ("max", "z-score")
 ROPE_PRUNING_STYLES = ("paper", "relative", "chunk-indexed", "none")
 ROPE_BSA_STYLES = ("streaming", "none")
 SCORING_PRECISIONS = ("tf32", "fp32")
@@ -113,6 +114,17 @@ class InfiniteHiPConfig:
     - ``dense_threshold``: sequences up to this many tokens run exact dense attention.
       ``None`` means sink + window + final budget, the point below which sparsity saves nothing.
     - ``probe``: SelectRep probe rule, ``midpoint`` (code, default) or ``first`` (paper).
+    - ``head_reduction``: how a stage's per-head chunk scores become the layer's one ranking:
+      ``"max"`` of the raw scores over heads (the paper's), or ``"z-score"``: each head's scores
+      standardised over the row's candidates first, then the max. On models whose q/k biases or
+      delimiter tokens give a few heads large logits everywhere (Qwen2), the raw max lets those
+      heads decide every ranking and outvote the head that reads a needle.
+    - ``exact_last_stage``: the last stage scores each chunk by its best key (every key of a
+      ``block_size_k`` chunk loaded: 8 loads against bisection's 6) instead of bisecting. A
+      needle is often one sharp key, which bisection can step past.
+    - ``drop_window_candidates``: every stage after the first drops candidates that start
+      inside the query's sliding window (they would spend the budget on keys the window
+      attends anyway); the first stage always does.
     - ``rope_extension``: remap RoPE positions (INFINITEHIP.md §2) so every distance a layer sees
       stays inside the trained range: ``"auto"`` (on when ``max_model_len`` exceeds
       ``trained_context``), ``true`` or ``false``. Only queries at or past ``trained_context``
@@ -158,6 +170,9 @@ class InfiniteHiPConfig:
     dense_layer_keep_tokens: int = 4096
     dense_threshold: int | None = None
     probe: str = "midpoint"
+    head_reduction: str = "max"
+    exact_last_stage: bool = False
+    drop_window_candidates: bool = False
     prefill_tail_window: int | str | None = "auto"
     prefill_final_query_own_mask: bool = False
     rope_extension: bool | str = "auto"
@@ -263,6 +278,8 @@ class InfiniteHiPConfig:
             f"preset={self.preset} sink={self.sink_tokens} window={self.window_tokens} "
             f"stages=[{stages}] refresh={list(self.refresh_intervals)} "
             f"dense_threshold={self.effective_dense_threshold} probe={self.probe} "
+            f"head_reduction={self.head_reduction} exact_last_stage={self.exact_last_stage} "
+            f"drop_window_candidates={self.drop_window_candidates} "
             f"dense_layers={list(self.dense_layers)}->k={self.dense_layer_keep_tokens} "
             f"prefill_tail_window={self.prefill_tail_window} "
             f"prefill_final_query_own_mask={self.prefill_final_query_own_mask} "
@@ -330,6 +347,7 @@ class InfiniteHiPConfig:
             ("rope_bsa", ROPE_BSA_STYLES),
             ("scoring_precision", SCORING_PRECISIONS),
             ("tp_mask", TP_MASK_MODES),
+            ("head_reduction", HEAD_REDUCTIONS),
         ):
             if name in values:
                 if values[name] not in allowed:
@@ -351,13 +369,15 @@ class InfiniteHiPConfig:
             if v is not None and v != "auto":
                 v = _int(v, "infinitehip.prefill_tail_window", minimum=0)
             kwargs["prefill_tail_window"] = v
-        if "prefill_final_query_own_mask" in values:
-            v = values["prefill_final_query_own_mask"]
-            if not isinstance(v, bool):
-                raise InfiniteHiPConfigError(
-                    f"`infinitehip.prefill_final_query_own_mask`={v!r} must be true or false"
-                )
-            kwargs["prefill_final_query_own_mask"] = v
+        for name in ("prefill_final_query_own_mask", "exact_last_stage",
+                     "drop_window_candidates"):
+            if name in values:
+                v = values[name]
+                if not isinstance(v, bool):
+                    raise InfiniteHiPConfigError(
+                        f"`infinitehip.{name}`={v!r} must be true or false"
+                    )
+                kwargs[name] = v
         if "dense_layers" in values:
             kwargs["dense_layers"] = tuple(
                 _int(v, f"infinitehip.dense_layers[{i}]", minimum=0)
@@ -436,6 +456,13 @@ class InfiniteHiPConfig:
                         f"`infinitehip.stages[{i - 1}].block_size_q`={prev.block_size_q}: a "
                         f"stage's query blocks split into the next stage's"
                     )
+        if self.head_reduction != "max" and self.tp_mask == "global":
+            # decode ranks a stage's per-head scores inside its top-k program, so there is no
+            # point between the heads' scores and the top-k where ranks could combine them
+            raise InfiniteHiPConfigError(
+                f"`infinitehip.head_reduction`={self.head_reduction!r} needs "
+                f"`infinitehip.tp_mask`=\"per-rank\" (\"global\" combines raw maxima only)"
+            )
         first = self.stages[0].chunk_size
         if self.window_tokens < first:
             raise InfiniteHiPConfigError(
