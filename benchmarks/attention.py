@@ -19,7 +19,7 @@ pages in random order). For each context it measures, in the same run:
 - attention-mass recall: the share of the dense softmax mass (decode query) on the keys selected.
 
 Keys carry planted structure (smooth bumps aligned with the query) so that recall means something.
-Writes benchmarks/results/attention-<gpu>-<date>.json and prints tables; plot with
+Writes benchmarks/results/attention-<gpu|cpu>.json and prints tables; plot with
 benchmarks/plot.py.
 """
 
@@ -29,8 +29,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -479,6 +477,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> int:
+    import common  # benchmarks/common.py, beside this file
+
     args = parse_args()
     cfg = InfiniteHiPConfig.from_user({"preset": args.preset})
     bw = copy_bandwidth()
@@ -490,7 +490,7 @@ def main() -> int:
         "name": "attention",
         "date": date,
         "gpu": gpu,
-        "command": "python " + " ".join(sys.argv),
+        "command": common.command_line(),
         "copy_bandwidth_TBps": bw / 1e12,
         "baselines": list(args.baselines),
         "rows": rows,
@@ -498,7 +498,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "gpu" if torch.cuda.is_available() else "cpu"
-    path = out / f"attention-{tag}-{date}.json"
+    path = out / f"attention-{tag}.json"
     for t in args.contexts:
         row = run_context(t, cfg, bw, tuple(args.baselines))
         rows.append(row)

@@ -16,7 +16,7 @@ context it measures, with torch SDPA's dense decode as the reference in the same
   refresh's extra over the one-layer reuse step;
 - the variant's output against the first variant's (same masks, so the same attention).
 
-Writes ``benchmarks/results/decode-breakdown-<gpu|cpu>-<date>.json``, a PNG and a table.
+Writes ``benchmarks/results/decode-breakdown-gpu[-ext].json``, a PNG and a table.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 import attention as ab  # the kernel benchmark's layer and timing helpers
+import common
 from e2e import _kernel_spans
 from vllm_infinitehip.kernels import triton_bsa, triton_decode
 from vllm_infinitehip.kernels.graph_if import conditional_graphs_work
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[524288])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=str(common.RESULTS))
     ap.add_argument("--rope-pruning", choices=("relative", "chunk-indexed"), default=None,
                     help="serve past the trained length: pruning in this RoPE style, "
                          "block-sparse attention StreamingLLM-style (results file -ext)")
@@ -182,11 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         del layer
         torch.cuda.empty_cache()
     result = {"name": "decode-breakdown", "date": date, "gpu": torch.cuda.get_device_name(),
-              "command": "python benchmarks/decode_breakdown.py " + " ".join(argv or sys.argv[1:]),
+              "command": common.command_line(
+                  None if argv is None else ["benchmarks/decode_breakdown.py", *argv]),
               "rows": rows}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"decode-breakdown-gpu-{date}{'-ext' if args.rope_pruning else ''}.json"
+    path = out / f"decode-breakdown-gpu{'-ext' if args.rope_pruning else ''}.json"
     path.write_text(json.dumps(result, indent=1))
     from plot import plot_decode_breakdown
 

@@ -1,10 +1,11 @@
 """End to end through vLLM: infinitehip against vLLM's default GPU backend (FLASH_ATTN), one run.
 
-Every engine is vLLM's own ``LLM`` (CUDA graphs as vLLM configures them), Llama-3-8B
-architecture with dummy weights, bf16, ``max_num_batched_tokens=32768``, prefix caching on. Each
-engine runs in its own process (a deleted in-process engine keeps GPU memory). Its engine core
-runs in that process (so the profilers see it), or with ``+mp`` in the engine name in a process
-of its own, as ``LLM`` and ``vllm serve`` do by default.
+Every engine is vLLM's own ``LLM`` (CUDA graphs as vLLM configures them), ``--model``'s architecture
+with dummy weights (``load_format="dummy"``: only its config is read), bf16,
+``max_num_batched_tokens=32768``, prefix caching on. Each engine runs in its own process (a deleted
+in-process engine keeps GPU memory). Its engine core runs in that process (so the profilers see it),
+or with ``+mp`` in the engine name in a process of its own, as ``LLM`` and ``vllm serve`` do by
+default.
 
 Per context and engine:
 
@@ -28,12 +29,17 @@ Per context and engine:
   the host call that ended it (``idle_gaps``), which says what keeps a host-bound step long.
 
 Every engine first serves a warm-up prompt past the dense threshold (Triton compiles its kernels
-on first use); no timing includes it. Results: ``e2e-gpu-<date>.json`` (rows as the issue names
-them), a PNG of tok/s against context, and a table on stdout. Contexts whose FLASH_ATTN prefill
+on first use); no timing includes it. Results: ``e2e-gpu.json`` (rows per model, engine, context
+and batch; a rerun replaces the file, or with ``--merge`` only the rows it measures), a PNG of
+tok/s against context, and a table on stdout. Contexts whose FLASH_ATTN prefill
 would not fit the run's time are skipped for that backend (``--skip``) and reported as not run.
 
-    python benchmarks/e2e.py --model /tmp/devbundle-models/model-llama3-8b-config \\
+    python benchmarks/e2e.py --model meta-llama/Meta-Llama-3-8B \\
         --contexts 32768 131072 524288 --engines flash_attn 3k-fast 3k-fast+ext 3k-fast+mp
+
+``--model``: a Hugging Face id or a local directory (a config is enough), or a short name of this
+repository's small models (benchmarks/common.py). ``+ext`` engines declare the model's trained
+length from its config (``--trained-context`` overrides it).
 """
 
 from __future__ import annotations
@@ -48,9 +54,13 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402  (benchmarks/common.py: --model, trained length, command line)
+
 WARMUP_TOKENS = 16384
 DECODE_TOKENS = 128
-TRAINED_FOR_EXTENSION = 8192  # "the model declared as trained on 8K"
+DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B"
 
 
 ENGINE_MODIFIERS = ("ext", "vllm-scheduler", "mp", "qb128", "qb256", "tp2", "ray")
@@ -65,7 +75,7 @@ def engine_parts(name: str) -> tuple[str, set[str]]:
     return preset, set(mods)
 
 
-def engine_spec(name: str, max_len: int) -> dict:
+def engine_spec(name: str, max_len: int, trained: int | None = None) -> dict:
     """``flash_attn``, or an infinitehip preset with modifiers: ``+ext`` for context extension
     on, ``+vllm-scheduler`` for vLLM's own scheduler (with its per-step common-prefix walk,
     which infinitehip's scheduler skips: the A/B of that change). ``+mp`` (also on
@@ -87,7 +97,9 @@ def engine_spec(name: str, max_len: int) -> dict:
         return {**kw, "attention_backend": "FLASH_ATTN"}
     hip = {"preset": preset, "rope_extension": "ext" in mods}
     if "ext" in mods:
-        hip["trained_context"] = TRAINED_FOR_EXTENSION
+        if trained is None:
+            raise SystemExit(f"{name!r}: +ext needs the model's trained length")
+        hip["trained_context"] = trained
     for block in (128, 256):
         if f"qb{block}" in mods:
             from vllm_infinitehip.config import PRESETS
@@ -330,18 +342,24 @@ def host_profile(call, prompt, top: int = 25) -> list[list]:
 
 
 def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], max_len: int,
-               budget_s: float, profile_host: bool) -> list[dict]:  # fmt: skip
+               budget_s: float, profile_host: bool, trained: int | None = None) -> list[dict]:
+    """``name``'s rows for ``model`` (``--model`` as given); ``trained``: the length ``+ext``
+    declares, by default the model's own (:func:`common.trained_length`)."""
     preset, mods = engine_parts(name)
+    path = common.resolve_model(model)
+    if "ext" in mods:
+        trained = common.trained_length(path, trained)
     tp, executor = engine_parallelism(name)
     # before vLLM is imported: vllm.envs reads it when the engine is built
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if "mp" in mods else "0"
     from vllm import LLM
 
     t_start = time.perf_counter()
-    llm = LLM(model, **engine_spec(name, max_len))
+    llm = LLM(path, **engine_spec(name, max_len, trained))
     init_s = time.perf_counter() - t_start
 
     call = timed_generate(llm)
+    model_name = common.model_name(model)
     rows = []
     backend = "flash_attn" if preset == "flash_attn" else "infinitehip"
     for ctx in contexts:
@@ -352,7 +370,7 @@ def run_engine(model: str, name: str, contexts: list[int], batch8: list[int], ma
         prefill, ttft = cold_prefill(call, prompt)
         wall_s, engine_s = decode_seconds(call, [prompt])
         decode, decode_engine = DECODE_TOKENS / wall_s, DECODE_TOKENS / engine_s
-        base = dict(context=ctx, backend=backend,
+        base = dict(model=model_name, context=ctx, backend=backend,
                     preset=None if backend == "flash_attn" else preset,
                     rope_extension="ext" in mods, engine_core_process="mp" in mods,
                     tp=tp, executor=executor, engine=name, init_s=round(init_s, 1))  # fmt: skip
@@ -398,11 +416,12 @@ def add_ratios(rows: list[dict]) -> None:
     (``*_vs_flash_attn``), and a TP > 1 engine against the same engine at TP = 1
     (``decode_vs_tp1``)."""
     def key(r):
-        return r["context"], r["batch"], r.get("engine_core_process", False), r.get("tp", 1)
+        return (r.get("model"), r["context"], r["batch"], r.get("engine_core_process", False),
+                r.get("tp", 1))
 
     def single(r: dict) -> tuple:  # the engine without its parallelism, in any modifier order
         preset, mods = engine_parts(r["engine"])
-        return preset, frozenset(mods - {"tp2", "ray"}), r["context"], r["batch"]
+        return r.get("model"), preset, frozenset(mods - {"tp2", "ray"}), r["context"], r["batch"]
 
     fa = {key(r): r for r in rows if r["backend"] == "flash_attn"}
     tp1s = {single(r): r for r in rows if r.get("tp", 1) == 1}
@@ -427,16 +446,19 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (engine, batch) in sorted({(r["engine"], r["batch"]) for r in rows}):
+    several = len({r.get("model") for r in rows}) > 1
+    for (model, engine, batch) in sorted({(str(r.get("model")), r["engine"], r["batch"])
+                                          for r in rows}):
         pts = sorted((r["context"], r["decode_tok_s"]) for r in rows
-                     if r["engine"] == engine and r["batch"] == batch)  # fmt: skip
+                     if (str(r.get("model")), r["engine"], r["batch"]) == (model, engine, batch))
         style = "-o" if batch == 1 else "--s"
         ax.plot([c / 1024 for c, _ in pts], [v for _, v in pts], style,
-                label=f"{engine}, batch {batch}")  # fmt: skip
+                label=f"{model + ' ' if several else ''}{engine}, batch {batch}")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (K tokens)")
     ax.set_ylabel("decode tokens / s")
-    ax.set_title("Llama-3-8B (dummy weights), bf16, one H200, through vLLM 0.26")
+    models = ", ".join(sorted({str(r.get("model") or "?") for r in rows}))
+    ax.set_title(f"{models} (dummy weights), bf16, through vLLM 0.26", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -470,14 +492,14 @@ def table(rows: list[dict]) -> str:
 def drive_engines(script: str, name: str, args, key, finish, plot_rows, notes: str) -> list[dict]:
     """Run each of ``args.engines`` in its own process (``script --worker ENGINE=TMP`` with this
     process's arguments; a deleted in-process engine keeps GPU memory), merge its rows into
-    ``<name>-gpu-<date>.json`` (rows of the same ``key`` replaced), ``finish`` them (ratios),
+    ``<name>-gpu.json`` (rows of the same ``key`` replaced), ``finish`` them (ratios),
     and rewrite the JSON and its plot after every engine, so a run cut short keeps its rows."""
     import torch
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     date = datetime.date.today().isoformat()
-    path = out_dir / f"{name}-gpu-{date}.json"
+    path = out_dir / f"{name}-gpu.json"
     rows: list[dict] = []
     if args.merge and path.exists():
         rows = json.loads(path.read_text())["rows"]
@@ -494,7 +516,7 @@ def drive_engines(script: str, name: str, args, key, finish, plot_rows, notes: s
         rows = [r for r in rows if key(r) not in done] + new
         finish(rows)
         result = {"name": name, "date": date, "gpu": torch.cuda.get_device_name(0),
-                  "command": f"python benchmarks/{Path(script).name} " + " ".join(sys.argv[1:]),
+                  "command": common.command_line(),
                   "notes": notes, "rows": rows}  # fmt: skip
         path.write_text(json.dumps(result, indent=1))
         plot_rows(rows, path.with_suffix(".png"))
@@ -503,7 +525,9 @@ def drive_engines(script: str, name: str, args, key, finish, plot_rows, notes: s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="/tmp/devbundle-models/model-llama3-8b-config")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help=common.MODEL_HELP + "; dummy weights")
+    ap.add_argument("--trained-context", type=int, default=None,
+                    help="the length +ext engines declare as trained; default: from the config")
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072, 524288])
     ap.add_argument("--engines", nargs="+", default=["flash_attn", "3k-fast", "3k-fast+ext"])
     ap.add_argument("--batch8-contexts", type=int, nargs="*", default=[131072])
@@ -511,9 +535,9 @@ def main() -> None:
                     help="ENGINE:CONTEXT pairs not to run (e.g. flash_attn:917504)")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=1e9, help="per engine")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=str(common.RESULTS))
     ap.add_argument("--merge", action="store_true", help="keep rows of other engines/contexts "
-                    "already in today's file")  # fmt: skip
+                    "already in the file")  # fmt: skip
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile one decode call per in-process engine and context")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -525,7 +549,7 @@ def main() -> None:
         skip = {int(s.split(":")[1]) for s in args.skip if s.split(":")[0] == name}
         contexts = [c for c in args.contexts if c not in skip]
         rows = run_engine(args.model, name, contexts, args.batch8_contexts, max_len,
-                          args.budget_s, args.host_profile)  # fmt: skip
+                          args.budget_s, args.host_profile, args.trained_context)  # fmt: skip
         Path(out).write_text(json.dumps(rows))
         return
 
@@ -533,7 +557,8 @@ def main() -> None:
              "request timestamps; decode_tok_s from the engine core's token timestamps on a "
              "prefix-cache hit; host_share and kernel_us_per_step from torch.profiler, a "
              "129-token call less a 1-token call")  # fmt: skip
-    rows = drive_engines(__file__, "e2e", args, lambda r: (r["engine"], r["context"], r["batch"]),
+    rows = drive_engines(__file__, "e2e", args,
+                         lambda r: (r.get("model"), r["engine"], r["context"], r["batch"]),
                          add_ratios, plot, notes)  # fmt: skip
     print(table(rows))
 

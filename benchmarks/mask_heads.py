@@ -15,7 +15,7 @@ parameters and RoPE remapping (extension on, as past the trained length):
 Per layer it reports the remapped recall (``reference.remapped_attention_recall``: the share of
 the dense softmax mass, under the layer's remapping, on the keys attended; mean and worst head)
 and whether the passkey's tokens are attended (by all heads). Writes
-``mask-heads-cpu-<date>.json`` (rows ``{model, config, context, depth, seed, layer, mode, recall,
+``mask-heads-cpu.json`` (rows ``{model, config, context, depth, seed, layer, mode, recall,
 recall_min_head, needle_kept}``), a PNG (recall by layer per mode) and prints the means over
 layers per prompt.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import passkey  # noqa: E402  (benchmarks/passkey.py: the models and how each is prompted)
+import common  # noqa: E402  (benchmarks/common.py: --model and how it is prompted)
 
 
 def capture_qk(model, ids: torch.Tensor,
@@ -76,13 +75,13 @@ def select(params, q, k, position, scale):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", choices=sorted(passkey.MODELS))
+    parser.add_argument("--model", default="smollm2-135m", help=common.MODEL_HELP)
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.5])
     parser.add_argument("--n", type=int, default=1)
     parser.add_argument("--infinitehip", default="{}",
                         help="JSON settings (as additional_config's): the layers' parameters")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(common.RESULTS))
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -93,9 +92,9 @@ def main() -> int:
     from vllm_infinitehip.config import InfiniteHiPConfig
     from vllm_infinitehip.passkey import make_passkey_prompt
 
-    loader, chat = passkey.MODELS[args.model]
-    path = str(getattr(importlib.import_module("vllm_infinitehip.offline_models"), loader)())
+    path = common.resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(path)
+    chat = common.prefers_chat(args.model, tok)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
     cfg = InfiniteHiPConfig.from_user(json.loads(args.infinitehip))
@@ -107,7 +106,7 @@ def main() -> int:
     scale = attn.scaling
     rows = []
     date = datetime.date.today().isoformat()
-    out = Path(args.out) / f"mask-heads-cpu-{date}.json"
+    out = Path(args.out) / "mask-heads-cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     for length in args.lengths:
         for depth in args.depths:
@@ -136,14 +135,14 @@ def main() -> int:
                     for mode, recall, needle_kept in (
                             ("layer", shared, bool(shared_mask[0, needle].all())),
                             ("kv_group", torch.cat(per_group), kept)):
-                        rows.append({"model": args.model, "config": config,
+                        rows.append({"model": common.model_name(args.model), "config": config,
                                      "context": ids.shape[1],
                                      "depth": depth, "seed": i, "layer": layer, "mode": mode,
                                      "recall": round(float(recall.mean()), 5),
                                      "recall_min_head": round(float(recall.min()), 5),
                                      "needle_kept": needle_kept})
                 out.write_text(json.dumps({"name": "mask-heads", "date": date, "gpu": "cpu",
-                                           "command": "python " + " ".join(sys.argv),
+                                           "command": common.command_line(),
                                            "rows": rows}, indent=0))
                 for mode in ("layer", "kv_group"):
                     rs = [r for r in rows if r["mode"] == mode and r["depth"] == depth

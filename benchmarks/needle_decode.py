@@ -1,7 +1,7 @@
 """Does a decode step's fresh mask keep the needle? RULER samples on a real model's Q/K (CPU, HF
 transformers; no vLLM engine).
 
-    python benchmarks/needle_decode.py benchmarks/results/ruler-samples-gpu-2026-12-04.json \\
+    python benchmarks/needle_decode.py benchmarks/results/ruler-samples-gpu.json \\
         --task niah_multikey_1 --context 32768 --config '{"rope_extension": false}' --limit 4
 
 For each chosen sample (the ones whose answer, from the samples file's infinitehip engine with
@@ -15,7 +15,7 @@ softmax mass on them (``needle_mass``: how much the layer reads the needle at al
 mask's recall of the dense mass (``recall``). ``--infinitehip`` compares several settings'
 cascades on the same Q/K (one forward pass per sample); a setting may name the reference's
 ``head_reduction`` (``kernels/reference.py`` ``reduce_heads``: how the heads' chunk scores become
-one ranking), a research setting the kernels do not have. Writes ``needle-decode-cpu-<date>.json``,
+one ranking), a research setting the kernels do not have. Writes ``needle-decode-cpu.json``,
 a PNG (kept share by layer and digit, the first settings) and prints, per settings, sample and
 digit, in how many layers the whole needle was kept, and in how many of those that read it
 (needle mass > 0.05).
@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402  (--model)
 import mask_heads  # noqa: E402  (capture_qk)
 import ruler_answers  # noqa: E402  (divergence, needle_start)
 
@@ -42,7 +43,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("samples", type=Path)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b",
-                    choices=("qwen2.5-coder-0.5b", "smollm2-135m"))
+                    help="the ruler.py run's --model: " + common.MODEL_HELP)
     ap.add_argument("--task", default="niah_multikey_1", choices=ruler_answers.TASKS)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--config", default='{"rope_extension": false}',
@@ -56,7 +57,7 @@ def main() -> int:
                     help="ruler.py's --cache, where the samples' prompts are")
     ap.add_argument("--n", type=int, default=20, help="the run's --n")
     ap.add_argument("--seed", type=int, default=42, help="the run's --seed")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=common.RESULTS)
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -67,7 +68,7 @@ def main() -> int:
     settings = json.loads(args.config)
     config = json.dumps(settings, sort_keys=True)  # infinitehip rows carry "{}" for the defaults
     rows = [r for r in json.loads(args.samples.read_text())["rows"]
-            if r["model"] == args.model and r["backend"] == "infinitehip"
+            if r["model"] == common.model_name(args.model) and r["backend"] == "infinitehip"
             and r["task"] == args.task and r["context"] == args.context
             and r["config"] == config]  # fmt: skip
     path, tok, prompt_ids = ruler_answers.run_tokens(args.model, args.cache, args.n, args.seed)
@@ -92,7 +93,7 @@ def main() -> int:
             for v in variants]  # fmt: skip
     scale = model.model.layers[0].self_attn.scaling
     date = datetime.date.today().isoformat()
-    out = args.out / f"needle-decode-cpu-{date}.json"
+    out = args.out / "needle-decode-cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     result_rows = []
     for index, truth, diverged_at, pred in chosen:
@@ -121,7 +122,8 @@ def main() -> int:
                                                  head_reduction=how)  # fmt: skip
                     mask, recall = mask_heads.select(params, qi, k, p, scale)
                     result_rows.append({
-                        "model": args.model, "task": args.task, "context": args.context,
+                        "model": common.model_name(args.model), "task": args.task,
+                        "context": args.context,
                         "config": config, "settings": name, "index": index, "truth": truth,
                         "pred": pred.strip(), "diverged_at": diverged_at, "digit": digit,
                         "layer": layer,
@@ -129,8 +131,8 @@ def main() -> int:
                         "needle_mass": round(float(probs[:, needle].sum(-1).mean()), 5),
                         "recall": round(float(recall.mean()), 5)})  # fmt: skip
         out.write_text(json.dumps({"name": "needle-decode", "date": date, "gpu": None,
-                                   "command": "python benchmarks/needle_decode.py "
-                                   + " ".join(sys.argv[1:]), "rows": result_rows}, indent=0))
+                                   "command": common.command_line(), "rows": result_rows},
+                                  indent=0))
         for name, digit in ((c[0], d) for c in cfgs for d in range(n_q)):
             rs = [r for r in result_rows
                   if (r["index"], r["digit"], r["settings"]) == (index, digit, name)]

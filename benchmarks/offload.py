@@ -1,8 +1,8 @@
 """The host KV tier end to end through vLLM: the same context with the tier off and on, one run.
 
-Llama-3-8B architecture with dummy weights, infinitehip preset ``3k-fast``, vLLM's ``LLM`` in
-process (CUDA graphs as vLLM configures them), each engine in its own process. Per context and
-engine:
+``--model``'s architecture with dummy weights (Llama-3-8B by default), infinitehip preset
+``3k-fast``, vLLM's ``LLM`` in process (CUDA graphs as vLLM configures them), each engine in its own
+process. Per context and engine:
 
 - ``prefill_s``: a cold prompt with ``max_tokens=1`` (vLLM's ``first_token_ts - scheduled_ts``);
 - ``decode_tok_s`` at batch 1: the same prompt again (a prefix-cache hit), 128 tokens over the
@@ -19,8 +19,8 @@ engine:
   and pruning's host reads plus the copies into both banks);
 - ``host_share`` and ``kernel_us_per_step``: as in ``e2e.py`` (``e2e.decode_profile``).
 
-The compiling warm-up call is excluded from every timing. Results:
-``offload-gpu-<date>.json`` with the issue's row fields, a PNG and a table on stdout.
+The compiling warm-up call is excluded from every timing. Results: ``offload-gpu.json`` (a rerun
+replaces it, or with ``--merge`` only the rows it measures), a PNG and a table on stdout.
 
     python benchmarks/offload.py --contexts 524288 --engines off bf16:16
 """
@@ -37,8 +37,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from e2e import (
+import common  # noqa: E402  (--model)
+from e2e import (  # noqa: E402
     DECODE_TOKENS,
+    DEFAULT_MODEL,
     cold_prefill,
     decode_profile,
     decode_seconds,
@@ -49,7 +51,16 @@ from e2e import (
     timed_generate,
 )
 
-KV_BYTES_PER_TOKEN = {"bf16": 128 * 1024, "fp8": 64 * 1024}  # Llama-3-8B: 32 layers, 8 KV heads
+
+def kv_bytes_per_token(path: str, kv: str) -> int:
+    """One token's KV over every layer, from the model's config (``kv``: bf16 or fp8)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(path)
+    c = getattr(c, "get_text_config", lambda: c)()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * (1 if kv == "fp8" else 2)
 
 
 def parse_engine(name: str) -> tuple[str, float | None]:
@@ -77,8 +88,10 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
 
 
     kv, bank = parse_engine(name)
+    path = common.resolve_model(model)
+    per_token = kv_bytes_per_token(path, kv)
     t_start = time.perf_counter()
-    llm = LLM(model, **spec_for(name, max_len, host_gib))
+    llm = LLM(path, **spec_for(name, max_len, host_gib))
     init_s = time.perf_counter() - t_start
 
     call = timed_generate(llm)
@@ -100,7 +113,7 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
         host_share, kernels = decode_profile(call, [prompt], engine_s / DECODE_TOKENS)
         rows.append({
             "context": ctx, "kv_dtype": kv, "offload": bank is not None, "bank_gib": bank,
-            "host_kv_gib": round(ctx * KV_BYTES_PER_TOKEN[kv] / 2**30, 1) if bank else 0.0,
+            "host_kv_gib": round(ctx * per_token / 2**30, 1) if bank else 0.0,
             "engine": name, "init_s": round(init_s, 1),
             "decode_tok_s": round(DECODE_TOKENS / engine_s, 1),
             "decode_tok_s_wall_diff": round(DECODE_TOKENS / wall_s, 1),
@@ -173,7 +186,8 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (K tokens)")
     ax.set_ylabel("decode tokens / s (batch 1)")
-    ax.set_title("Host KV tier: Llama-3-8B (dummy weights), one H200, vLLM 0.26")
+    models = ", ".join(sorted({str(r.get("model") or "?") for r in rows}))
+    ax.set_title(f"Host KV tier: {models} (dummy weights), vLLM 0.26", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, title="KV dtype : bank GiB")
     fig.tight_layout()
@@ -194,15 +208,15 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="/tmp/devbundle-models/model-llama3-8b-config")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help=common.MODEL_HELP + "; dummy weights")
     ap.add_argument("--contexts", type=int, nargs="+", default=[524288])
     ap.add_argument("--engines", nargs="+", default=["off", "bf16:16"],
                     help="off, fp8-off, bf16:BANK_GIB, fp8:BANK_GIB")
     ap.add_argument("--host-gib", type=float, default=80.0, help="host KV with the tier on")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=1e9, help="per engine")
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--merge", action="store_true", help="keep rows already in today's file")
+    ap.add_argument("--out", default=str(common.RESULTS))
+    ap.add_argument("--merge", action="store_true", help="keep rows already in the file")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     max_len = args.max_model_len or max(args.contexts) + 256
@@ -218,7 +232,8 @@ def main() -> None:
              "tier counters over the timed decode calls; hit_ratio_mask: pruning probes served "
              "by the key-row bank; hit_ratio_promote: pages a step's rows asked for that were "
              "resident")
-    rows = drive_engines(__file__, "offload", args, lambda r: (r["engine"], r["context"]),
+    rows = drive_engines(__file__, "offload", args,
+                         lambda r: (r.get("model"), r["engine"], r["context"]),
                          compare, plot, notes)  # fmt: skip
     print(table(rows))
 

@@ -2,18 +2,22 @@
 
     python benchmarks/passkey.py --lengths 8192 16384 32768 65536 --depths 0.1 0.3 0.5 0.7 0.9 --n 2
 
+``--model``: a Hugging Face id, a local directory, or a short name of this repository's small
+models (benchmarks/common.py); ``trained_context`` in the rows comes from the model's config
+(``--trained-context`` overrides it).
+
 For each backend, one engine serves every prompt (``--max-model-len`` = the longest prompt + 512;
 the default backend gets the same rotary cache through ``hf_overrides``, and is expected to fail
 past the trained length). Writes, under ``--out``:
 
-- ``passkey-<cpu|gpu>-<date>.json``: rows ``{model, trained_context, context, depth, backend,
-  config, ops, accuracy, n, generate_s, generate_s_vs_default}`` (``config``: the infinitehip
-  settings of that engine, ``--infinitehip`` takes several to compare; ``ops``: which execution
-  path served it; ``generate_s``: the mean wall time of one prompt's ``generate``, 8 tokens, and
-  its ratio to the default backend's on the same prompts; with recall on it includes the
-  recall's dense reference and runs infinitehip eagerly, so time with ``--no-recall``), a PNG
-  heatmap per backend (length x depth) beside it, and a printed table;
-- ``recall-<cpu|gpu>-<date>.json``: attention-mass recall on the real model's Q/K, of the final
+- ``passkey-<cpu|gpu>.json``: rows ``{model, trained_context, context, depth, backend, config, ops,
+  accuracy, n, generate_s, generate_s_vs_default, date, command}`` (``config``: the infinitehip
+  settings of that engine, ``--infinitehip`` takes several to compare; ``ops``: which execution path
+  served it; ``generate_s``: the mean wall time of one prompt's ``generate``, 8 tokens, and its
+  ratio to the default backend's on the same prompts; with recall on it includes the recall's dense
+  reference and runs infinitehip eagerly, so time with ``--no-recall``), a PNG heatmap per backend
+  (length x depth) beside it, and a printed table;
+- ``recall-<cpu|gpu>.json``: attention-mass recall on the real model's Q/K, of the final
   prompt query and of the decode queries, rows ``{model, trained_context, config, ops, context,
   depth, query, layer, seq_len, steps, recall, recall_min_head}`` (share of the dense softmax mass
   on the keys infinitehip attended; mean over heads and over a prompt's decode steps, and the
@@ -22,10 +26,12 @@ past the trained length). Writes, under ``--out``:
   position remapping (``reference.remapped_attention_recall``): what the selection missed, where
   the true-position reference sees distances the model never saw.
 
-- with ``--ops compare``, ``ops-compare-<cpu|gpu>-<date>.json``: the Triton path against the
+- with ``--ops compare``, ``ops-compare-<cpu|gpu>.json``: the Triton path against the
   PyTorch reference on every call of the run (benchmarks/compare_ops.py).
 
-Results are rewritten after every prompt, so a run cut short keeps what it measured.
+Results are rewritten after every prompt, so a run cut short keeps what it measured. A run
+replaces the rows of the (model, backend, settings, execution path) it produces and keeps every
+other row of the files, from any day.
 """
 
 from __future__ import annotations
@@ -33,18 +39,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import importlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-# name: (loader in vllm_infinitehip.offline_models, prompt in the chat template). SmolLM2 continues
-# plain text well; Qwen's instruct model answers a user turn (OFFLINE_MODELS.md: 9/9 that way).
-MODELS = {"smollm2-135m": ("smollm2_135m", False), "qwen2.5-coder-0.5b": ("qwen25_coder_05b", True)}
+import common  # noqa: E402  (benchmarks/common.py: --model, trained length, command line)
 
 
 def engine_kwargs(backend: str, max_len: int, device: str, hip: dict,
@@ -72,26 +76,24 @@ class Results:
     """Rows of both result files, rewritten on every update."""
 
     def __init__(self, out: Path, device: str, gpu: str, model: str, trained: int,
-                 produced: set[tuple[str, str, str]]) -> None:
+                 produced: set[tuple[str, str, str]], command: str | None = None) -> None:
         self.date = datetime.date.today().isoformat()
-        self.paths = {n: out / f"{n}-{device}-{self.date}.json"
-                      for n in ("passkey", "recall", "ops-compare")}
+        self.paths = {n: out / f"{n}-{device}.json" for n in ("passkey", "recall", "ops-compare")}
+        model = common.model_name(model)
         self.gpu, self.model, self.trained = gpu, model, trained
+        self.command = command or common.command_line()
         self.hits: dict[tuple[str, str, str, int, float], list[tuple[bool, float]]] = {}
         self.recall: list[dict] = []
         self.compare: list[dict] = []
         out.mkdir(parents=True, exist_ok=True)
-        # One file per day and machine: this run replaces the rows of the (backend, config,
-        # execution path) it produces for its model; every other row stays.
+        # One file per device kind, across models and days: this run replaces the rows of the
+        # (backend, config, execution path) it produces for its model; every other row stays.
         self.kept: dict[str, list[dict]] = {}
-        self.kept_command: dict[str, str] = {}
         for name, path in self.paths.items():
             old = json.loads(path.read_text()) if path.exists() else {"rows": []}
             self.kept[name] = [r for r in old["rows"] if r["model"] != model or (
                 r.get("backend", "infinitehip"), r.get("config", ""), r.get("ops", "")
             ) not in produced]
-            if self.kept[name]:
-                self.kept_command[name] = old["command"] + "; "
 
     def add(self, backend: str, config: str, ops: str, context: int, depth: float,
             correct: bool, seconds: float, recall: list[dict], compare: list[dict]):
@@ -106,7 +108,8 @@ class Results:
         rows = [{"model": self.model, "trained_context": self.trained, "context": n, "depth": d,
                  "backend": b, "config": c, "ops": o,
                  "accuracy": sum(ok for ok, _ in h) / len(h), "n": len(h),
-                 "generate_s": sum(t for _, t in h) / len(h)}
+                 "generate_s": sum(t for _, t in h) / len(h),
+                 "date": self.date, "command": self.command}
                 for (b, c, o, n, d), h in sorted(self.hits.items())]  # fmt: skip
         default = {(r["context"], r["depth"]): r["generate_s"] for r in rows
                    if r["backend"] == "default"}  # fmt: skip
@@ -116,13 +119,15 @@ class Results:
         return rows
 
     def write(self) -> None:
-        command = "python " + " ".join(sys.argv)
+        passkey_rows = self.kept["passkey"] + self.passkey_rows()
+        # the runs whose rows the files hold (recall and ops-compare rows come from the same runs)
+        command = "; ".join(dict.fromkeys(
+            r["command"] for r in passkey_rows if r.get("command")))
         for name, rows in (("passkey", self.passkey_rows()), ("recall", self.recall),
                            ("ops-compare", self.compare)):
             rows = self.kept[name] + rows
             if rows:
-                head = {"name": name, "date": self.date, "gpu": self.gpu,
-                        "command": self.kept_command.get(name, "") + command}
+                head = {"name": name, "date": self.date, "gpu": self.gpu, "command": command}
                 self.paths[name].write_text(dump_rows(head, rows))
 
 
@@ -145,8 +150,8 @@ def per_layer(recall: list[dict]) -> list[dict]:
 
 
 def dump_rows(head: dict, rows: list[dict]) -> str:
-    """The result as JSON with one row per line: recall files hold thousands of rows, and every
-    device call carries the working tree (benchmarks/results included) within 64 MiB."""
+    """The result as JSON with one row per line: recall files hold thousands of rows, and a row a
+    line keeps them readable and their diffs small."""
     rounded = [{k: round(v, 5) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
     body = ",\n".join(json.dumps(r) for r in rounded)
     return json.dumps(head)[:-1] + f', "rows": [\n{body}\n]}}\n'
@@ -262,14 +267,19 @@ def print_tables(results: Results, lengths: list[int], depths: list[float]) -> N
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
+    parser.add_argument("--model", default="smollm2-135m", help=common.MODEL_HELP)
+    parser.add_argument("--trained-context", type=int, default=None,
+                        help="the model's trained length; default: from its config")
+    parser.add_argument("--template", choices=["auto", "chat", "plain"], default="auto",
+                        help="the prompt in the model's chat template or as plain text; auto: "
+                        "a short name's own choice, else the chat template when there is one")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     parser.add_argument("--n", type=int, default=1, help="prompts per (length, depth)")
     parser.add_argument("--backends", nargs="+", default=["infinitehip", "default"])
     parser.add_argument("--infinitehip", nargs="+", default=["{}"],
                         help="JSON settings for additional_config; several: one engine each")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=str(common.RESULTS))
     parser.add_argument("--ops", choices=["kernels", "reference", "compare"], default="kernels",
                         help="infinitehip's execution path: its own choice (Triton on a GPU), "
                         "the PyTorch reference, or both compared call by call (compare_ops.py)")
@@ -284,14 +294,15 @@ def main() -> int:
     deadline = time.monotonic() + args.time_budget
 
     import torch
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from vllm_infinitehip.passkey import make_passkey_prompt
 
-    loader, chat = MODELS[args.model]
-    model = str(getattr(importlib.import_module("vllm_infinitehip.offline_models"), loader)())
-    trained = AutoConfig.from_pretrained(model).max_position_embeddings
+    model = common.resolve_model(args.model)
+    trained = common.trained_length(model, args.trained_context)
     tok = AutoTokenizer.from_pretrained(model)
+    chat = (common.prefers_chat(args.model, tok) if args.template == "auto"
+            else args.template == "chat")
     # shortest contexts first, so a time budget cuts the longest
     cells = [(n, d, make_passkey_prompt(tok, n, d, seed=1000 * i + int(d * 100) + n, chat=chat))
              for n in sorted(args.lengths) for d in args.depths for i in range(args.n)]
@@ -319,5 +330,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     raise SystemExit(main())

@@ -20,7 +20,7 @@ prefill of the same chunk as the reference in the same run:
   stages keep 64: neighbouring blocks share the first stage's work), and ``final_overlap``: the
   share of the 64-query first stage's final blocks that this one also selects.
 
-Writes ``benchmarks/results/prefill-breakdown-<gpu|cpu>-<date>.json``, a PNG and a table.
+Writes ``benchmarks/results/prefill-breakdown-gpu.json``, a PNG and a table.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import attention as ab  # the kernel benchmark's layer and timing helpers
+import common
 from decode_breakdown import kernel_times
 from vllm_infinitehip.kernels import reference as ref
 from vllm_infinitehip.kernels import triton_prune
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--first-stage-block", type=int, nargs="+", default=[64],
                     help="query block sizes of the first pruning stage (the first is the base)")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args(argv)
     base = InfiniteHiPConfig.from_user({"preset": "3k-fast"})
     date = datetime.date.today().isoformat()
@@ -174,11 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         del layer
         torch.cuda.empty_cache()
     result = {"name": "prefill-breakdown", "date": date, "gpu": torch.cuda.get_device_name(),
-              "command": "python benchmarks/prefill_breakdown.py " + " ".join(argv or sys.argv[1:]),
+              "command": common.command_line(
+                  None if argv is None else ["benchmarks/prefill_breakdown.py", *argv]),
               "rows": rows}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"prefill-breakdown-gpu-{date}.json"
+    path = out / "prefill-breakdown-gpu.json"
     path.write_text(json.dumps(result, indent=1))
     from plot import plot_prefill_breakdown
 

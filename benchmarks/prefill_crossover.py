@@ -17,7 +17,7 @@ rest) is timed once and weighted by its count, so a row is one chunk of the whol
 attention. The first call of each kind is a warm-up and not timed.
 
 Rows ``{model, context, chunk, rope_extension, dense_s, sparse_s, prune_s, sparse_vs_dense}``.
-Writes ``prefill-crossover-<cpu|gpu>-<date>.json``, a PNG and a table. This is what the ``"auto"``
+Writes ``prefill-crossover-<cpu|gpu>.json``, a PNG and a table. This is what the ``"auto"``
 rule of ``prefill_dense_threshold`` is set from (``config.DENSE_PREFILL_CROSSOVER`` on a GPU,
 ``config.CPU_DENSE_PREFILL_CROSSOVER`` on the CPU).
 """
@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import common
 from e2e import gpu_name, markdown_table
 from scheduler_host import _cpu_name
 
@@ -44,6 +45,22 @@ SHAPES = {
     "llama3-8b": (32, 32, 8, 128, 500000.0),
 }
 PAGE = 16
+
+
+def shapes(model: str) -> tuple:
+    """``(layers, q heads, kv heads, head dim, rope theta)`` of ``model``: the table's, or from its
+    Hugging Face config."""
+    if model in SHAPES:
+        return SHAPES[model]
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(common.resolve_model(model))
+    c = getattr(c, "get_text_config", lambda: c)()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    theta = getattr(c, "rope_theta", None) or (getattr(c, "rope_parameters", None) or {}).get(
+        "rope_theta", 10000.0)
+    return (c.num_hidden_layers, c.num_attention_heads,
+            getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim, theta)
 
 
 def _sync(device) -> None:
@@ -118,10 +135,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
     ap.add_argument("--chunk", type=int, default=8192)
-    ap.add_argument("--model", choices=sorted(SHAPES), default="smollm2-135m")
+    ap.add_argument("--model", default="smollm2-135m",
+                    help=f"one of {sorted(SHAPES)} or {common.MODEL_HELP}; only its shapes matter")
     ap.add_argument("--rope-extension", nargs="+", choices=["on", "off"], default=["on", "off"])
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
 
     import torch
@@ -133,17 +151,17 @@ def main() -> None:
     for mode in args.rope_extension:
         for context in args.contexts:
             chunk = min(args.chunk, context)
-            rows.append({"model": args.model, **chunk_seconds(
-                context, chunk, SHAPES[args.model], mode == "on", device)})  # fmt: skip
+            rows.append({"model": common.model_name(args.model), **chunk_seconds(
+                context, chunk, shapes(args.model), mode == "on", device)})  # fmt: skip
             print(rows[-1], flush=True)
     gpu = gpu_name()
     date = datetime.date.today().isoformat()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"prefill-crossover-{'gpu' if gpu else 'cpu'}-{date}.json"
+    path = out / f"prefill-crossover-{'gpu' if gpu else 'cpu'}.json"
     path.write_text(json.dumps({
         "name": "prefill-crossover", "date": date, "gpu": gpu, "cpu": _cpu_name(),
-        "threads": torch.get_num_threads(), "command": "python " + " ".join(sys.argv),
+        "threads": torch.get_num_threads(), "command": common.command_line(),
         "rows": rows,
     }, indent=1))  # fmt: skip
     plot(rows, path.with_suffix(".png"))

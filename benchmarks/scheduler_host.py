@@ -12,7 +12,7 @@ own host work, the part that must fit under the GPU's step when scheduling is as
 GPU needed; the numbers depend on the host's CPU.
 
 Rows ``{context, scheduler, async_scheduling, host_ms_per_step, speedup_vs_vllm}``. Writes
-``scheduler-host-<cpu|gpu>-<date>.json`` (``gpu``: the host of a GPU machine, named in the file),
+``scheduler-host-<cpu|gpu>.json`` (``gpu``: the host of a GPU machine, named in the file),
 a PNG and a table.
 """
 
@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import common  # noqa: E402  (--model, command line)
 from e2e import gpu_name, markdown_table  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -86,18 +87,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 131072, 524288, 917504])
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--model", help="a model directory; only its config is read "
-                    "(default: the tests' tiny Llama)")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--model", default="tiny-llama",
+                    help=common.MODEL_HELP + "; only its config is read")
+    ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args()
 
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from vllm_infinitehip import scheduler as ours
-    from vllm_infinitehip.offline_models import tiny_llama
 
-    model = args.model or str(tiny_llama())
+    model = common.resolve_model(args.model)
     pairs = [("vllm", False, Scheduler), ("infinitehip", False, ours.InfiniteHiPScheduler),
              ("vllm", True, AsyncScheduler), ("infinitehip", True, ours.InfiniteHiPAsyncScheduler)]
     rows = []
@@ -116,8 +116,8 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"scheduler-host-{device}-{date}.json"
-    command = "python " + " ".join(sys.argv)
+    path = out / f"scheduler-host-{device}.json"
+    command = common.command_line()
     path.write_text(json.dumps({"name": "scheduler-host", "date": date, "gpu": gpu,
                                 "cpu": _cpu_name(), "command": command, "rows": rows}, indent=1))
     plot(rows, path.with_suffix(".png"))

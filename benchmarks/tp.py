@@ -1,11 +1,11 @@
 """Tensor parallelism over Ray on two GPUs: decode speed and greedy agreement, in one results file.
 
-    python benchmarks/tp.py --model-8b /tmp/devbundle-models/model-llama3-8b-config \\
-        --model-real PATH [--contexts 131072 524288] [--parts speed greedy]
+    python benchmarks/tp.py --model-8b meta-llama/Meta-Llama-3-8B \\
+        --model-real qwen2.5-coder-0.5b [--contexts 131072 524288] [--parts speed greedy]
 
 Two parts, each run by the benchmark that owns it, each engine in its own processes:
 
-- ``speed``: ``benchmarks/e2e.py`` on the Llama-3-8B architecture with dummy weights, engines
+- ``speed``: ``benchmarks/e2e.py`` on ``--model-8b``'s architecture with dummy weights, engines
   ``3k-fast`` (TP = 1), ``3k-fast+tp2+ray`` and ``flash_attn+tp2+ray`` (``--engines`` to change
   them): decode tok/s at batch 1 and 8 per context, with ``decode_vs_tp1`` (against the same
   engine at TP = 1) and ``decode_speedup_vs_flash_attn`` (against FLASH_ATTN at the same TP);
@@ -14,10 +14,10 @@ Two parts, each run by the benchmark that owns it, each engine in its own proces
   at TP = 2 with ``tp_mask`` "global" and "per-rank" against TP = 1 (``greedy_match_tp1``), and
   the default backend at TP = 2 against TP = 1, TP's own arithmetic with no masks.
 
-Each part writes its own file as it goes (``e2e-gpu-<date>.json``, ``tp-mask-gpu-<date>.json``
-under ``<out>/tp-parts``), so a run cut short keeps what it finished; the join into
-``tp-gpu-<date>.json`` (rows ``tp``, ``executor``, ``context``, ``batch``, ``decode_tok_s``,
-``greedy_match_tp1``), its PNG and table runs last, and again with ``--parts`` empty.
+Each part writes its own file as it goes (``e2e-gpu.json``, ``tp-mask-gpu.json`` under
+``<out>/tp-parts``), so a run cut short keeps what it finished; the join into ``tp-gpu.json`` (rows
+``tp``, ``executor``, ``context``, ``batch``, ``decode_tok_s``, ``greedy_match_tp1``), its PNG and
+table runs last, and again with ``--parts`` empty.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from e2e import gpu_name, markdown_table  # noqa: E402
+import common  # noqa: E402  (command line)
+from e2e import DEFAULT_MODEL, gpu_name, markdown_table  # noqa: E402
 
 HERE = Path(__file__).parent
 SPEED_ENGINES = ["3k-fast", "3k-fast+tp2+ray", "flash_attn+tp2+ray"]
@@ -88,7 +89,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))],
                   [f"{c // 1024}K, b{b}" for c, b in cells])  # fmt: skip
     ax.set_ylabel("decode tokens / s")
-    ax.set_title("Llama-3-8B (dummy weights), bf16")
+    ax.set_title("dummy weights, bf16")
     ax.legend(fontsize=8)
     greedy = [r for r in rows if r["kind"] == "greedy"]
     labels = sorted({f"{r['backend']} {r['tp_mask'] or ''}".strip() for r in greedy})
@@ -106,9 +107,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model-8b", default="/tmp/devbundle-models/model-llama3-8b-config")
-    ap.add_argument("--model-real", default=None,
-                    help="the greedy part's model (default: Qwen2.5-Coder-0.5B, offline_models)")
+    ap.add_argument("--model-8b", default=DEFAULT_MODEL,
+                    help="the speed part's model (dummy weights): " + common.MODEL_HELP)
+    ap.add_argument("--model-real", default="qwen2.5-coder-0.5b",
+                    help="the greedy part's model, whose KV heads split over two ranks: "
+                    + common.MODEL_HELP)
     ap.add_argument("--contexts", type=int, nargs="+", default=[131072, 524288])
     ap.add_argument("--engines", nargs="+", default=SPEED_ENGINES)
     ap.add_argument("--parts", nargs="*", choices=("speed", "greedy"), default=["speed", "greedy"])
@@ -125,30 +128,26 @@ def main() -> None:
                *map(str, args.contexts), "--batch8-contexts", *map(str, args.contexts),
                "--engines", *args.engines, "--budget-s", str(args.budget_s), "--merge",
                "--out", str(parts)]  # fmt: skip
-        commands.append(" ".join(cmd[1:]))
+        commands.append(common.command_line(cmd[1:]))
         subprocess.run(cmd, check=False)  # a failed engine is reported by e2e.py; join the rest
     if "greedy" in args.parts:
-        model = args.model_real
-        if model is None:
-            from vllm_infinitehip.offline_models import qwen25_coder_05b
-
-            model = str(qwen25_coder_05b())
-        cmd = [sys.executable, str(HERE / "tp_mask.py"), "--model", model, "--device", "gpu",
+        cmd = [sys.executable, str(HERE / "tp_mask.py"), "--model", args.model_real,
+               "--device", "gpu",
                "--tp", "2", "--executor", "ray", "--out", str(parts)]  # fmt: skip
-        commands.append(" ".join(cmd[1:]))
+        commands.append(common.command_line(cmd[1:]))
         subprocess.run(cmd, check=False)
 
     def rows_of(name: str) -> list[dict]:
-        path = parts / f"{name}-gpu-{date}.json"
+        path = parts / f"{name}-gpu.json"
         return json.loads(path.read_text())["rows"] if path.exists() else []
 
     rows = join(rows_of("e2e"), rows_of("tp-mask"))
-    path = out / f"tp-gpu-{date}.json"
+    path = out / "tp-gpu.json"
     if path.exists():  # a run of one part after the other: both parts' commands
         commands = list(dict.fromkeys(json.loads(path.read_text())["parts"] + commands))
     path.write_text(json.dumps({
         "name": "tp", "date": date, "gpu": gpu_name(),
-        "command": "python benchmarks/tp.py " + " ".join(sys.argv[1:]),
+        "command": common.command_line(),
         "parts": commands, "rows": rows}, indent=1))  # fmt: skip
     if rows:
         plot(rows, path.with_suffix(".png"))

@@ -15,7 +15,7 @@ prompts (above ``dense_threshold``), greedy:
 TP > 1 runs on vLLM's ``mp`` executor, or with ``--executor ray`` on its Ray executor (a GPU
 only: vLLM's CPU platform refuses Ray). Rows ``{backend, tp_mask, tp, executor, prompt_tokens,
 decode_tokens, token_agreement, first_divergence, equal}``: agreement with the same backend at
-TP = 1, position by position. Writes ``tp-mask-<cpu|gpu>-<date>.json``, a PNG and a table.
+TP = 1, position by position. Writes ``tp-mask-<cpu|gpu>.json``, a PNG and a table.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import common  # noqa: E402  (--model, command line)
 from e2e import gpu_name, markdown_table  # noqa: E402
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -100,14 +101,14 @@ def agreement(a: list[int], b: list[int]) -> tuple[float, int | None]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="default: the tests' tiny Llama")
+    ap.add_argument("--model", default="tiny-llama", help=common.MODEL_HELP)
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--executor", choices=("mp", "ray"), default="mp",
                     help="vLLM's executor at TP > 1 (ray: a GPU only)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=str(common.RESULTS))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -117,10 +118,7 @@ def main() -> None:
         return
     if args.executor == "ray" and args.device == "cpu":
         ap.error("--executor ray needs --device gpu: vLLM's CPU platform refuses the Ray executor")
-    if args.model is None:
-        from vllm_infinitehip.offline_models import tiny_llama
-
-        args.model = str(tiny_llama())
+    model = common.resolve_model(args.model)
     texts = prompts(args.prompts)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -130,7 +128,7 @@ def main() -> None:
     results: dict[tuple[str, int, str], dict] = {}
     for backend, tp, mode in engines:
         name = f"{backend}-tp{tp}-{mode or 'none'}"
-        spec = {"model": args.model, "prompts": texts, "tokens": args.tokens,
+        spec = {"model": model, "prompts": texts, "tokens": args.tokens,
                 "engine": engine_kwargs(args.device, backend, tp, mode, 8192,
                                         args.executor)}  # fmt: skip
         spec_path, res_path = out_dir / f".tp-mask-{name}-in.json", out_dir / f".tp-mask-{name}.json"
@@ -151,16 +149,17 @@ def main() -> None:
         base = results[(backend, 1, "per-rank" if backend == "infinitehip" else "")]
         for i, toks in enumerate(res["tokens"]):
             agree, first = agreement(toks, base["tokens"][i])
-            rows.append({"backend": backend, "tp_mask": mode or None, "tp": tp,
+            rows.append({"model": common.model_name(args.model), "backend": backend,
+                         "tp_mask": mode or None, "tp": tp,
                          "executor": args.executor,
                          "prompt_tokens": res["prompt_tokens"][i], "decode_tokens": len(toks),
                          "token_agreement": round(agree, 4), "first_divergence": first,
                          "equal": toks == base["tokens"][i]})  # fmt: skip
     date = datetime.date.today().isoformat()
-    path = out_dir / f"tp-mask-{args.device}-{date}.json"
-    command = "python benchmarks/tp_mask.py " + " ".join(sys.argv[1:])
+    path = out_dir / f"tp-mask-{args.device}.json"
     path.write_text(json.dumps({"name": "tp-mask", "date": date, "gpu": gpu_name(),
-                                "command": command.strip(), "rows": rows}, indent=1))  # fmt: skip
+                                "command": common.command_line(), "rows": rows},
+                               indent=1))  # fmt: skip
     plot(rows, path.with_suffix(".png"))
     print(table(rows))
 

@@ -56,10 +56,12 @@ def test_idle_gaps_of_a_busy_gpu_and_of_a_gap_before_any_host_call():
 
 
 def test_tensor_parallel_engines_reach_vllm_as_its_own_arguments():
-    spec = e2e.engine_spec("3k-fast+ext+tp2+ray", 140000)
+    spec = e2e.engine_spec("3k-fast+ext+tp2+ray", 140000, trained=8192)
     assert (spec["tensor_parallel_size"], spec["distributed_executor_backend"]) == (2, "ray")
     assert spec["attention_backend"] == "infinitehip"
     assert spec["additional_config"]["infinitehip"]["rope_extension"] is True
+    assert spec["additional_config"]["infinitehip"]["trained_context"] == 8192
+    assert spec["load_format"] == "dummy"
     fa = e2e.engine_spec("flash_attn+tp2", 140000)
     assert (fa["tensor_parallel_size"], fa["distributed_executor_backend"]) == (2, "mp")
     assert fa["attention_backend"] == "FLASH_ATTN"

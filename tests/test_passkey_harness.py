@@ -53,8 +53,8 @@ def test_decode_recall_is_one_row_per_layer_with_its_worst_head():
 
 
 def test_a_run_replaces_only_the_rows_it_produces(tmp_path):
-    def results(produced):
-        return harness.Results(tmp_path, "cpu", "cpu", "smollm2-135m", 8192, produced)
+    def results(produced, command="python benchmarks/passkey.py"):
+        return harness.Results(tmp_path, "cpu", "cpu", "smollm2-135m", 8192, produced, command)
 
     default, hip = ("default", "", ""), ("infinitehip", "{}", "pytorch")
     first = results({default, hip})
@@ -65,14 +65,17 @@ def test_a_run_replaces_only_the_rows_it_produces(tmp_path):
     # each prompt's generate time, and its ratio to the default backend's on the same cell
     assert hip_row["generate_s"] == 15.0 and hip_row["generate_s_vs_default"] == 1.5
     # another model, then another setting of the same model: both keep the first rows
-    other = harness.Results(tmp_path, "cpu", "cpu", "qwen2.5-coder-0.5b", 32768, {hip})
+    other = harness.Results(tmp_path, "cpu", "cpu", "qwen2.5-coder-0.5b", 32768, {hip},
+                            "python benchmarks/passkey.py --model qwen2.5-coder-0.5b")
     other.add("infinitehip", "{}", "pytorch", 65536, 0.5, True, 1.0, [], [])
-    five_k = results({("infinitehip", '{"preset": "5k"}', "pytorch")})
+    five_k = results({("infinitehip", '{"preset": "5k"}', "pytorch")},
+                     """python benchmarks/passkey.py --infinitehip '{"preset": "5k"}'""")
     five_k.add("infinitehip", '{"preset": "5k"}', "pytorch", 16384, 0.5, True, 1.0, [], [])
     path = first.paths["passkey"]
     saved = json.loads(path.read_text())
     assert len(saved["rows"]) == 4
-    assert saved["command"].count("; ") == 2  # every run's command is kept
+    assert path.name == "passkey-cpu.json"  # one current file, whatever the date
+    assert saved["command"].count("; ") == 2  # the command of every run with rows in the file
     # a rerun of the default settings replaces their rows, and only theirs
     again = results({hip})
     again.add("infinitehip", "{}", "pytorch", 32768, 0.1, False, 1.0, [], [])

@@ -148,23 +148,24 @@ def test_wrong_answers_are_split_where_they_leave_the_truth():
 
 
 def test_rows_summary_and_a_later_run_replacing_only_its_cells(tmp_path):
-    def results():
-        return ruler.Results(tmp_path, "cpu", "cpu", "smollm2-135m", 8192)
+    def results(command):
+        return ruler.Results(tmp_path, "cpu", "cpu", "smollm2-135m", 8192, command)
 
     hip = ("infinitehip", "{}", "pytorch")
-    first = results()
+    first = results("python benchmarks/ruler.py --lengths 8192 16384")
     first.add_batch(*hip, [sample("niah_single_1", 8192, 0, ["111"]),
                            sample("niah_single_1", 8192, 1, ["222"])], ["111", "333"])
     first.add(*hip, sample("qa_1", 8192, 0, ["Paris"]), "Paris")
     first.add(*hip, sample("niah_single_1", 16384, 0, ["444"]), "444")
     first.add("default", "", "", sample("niah_single_1", 16384, 0, ["444"]), "no")
     saved = json.loads(first.paths["ruler"].read_text())
-    assert saved["name"] == "ruler" and saved["gpu"] == "cpu" and saved["command"]
+    assert saved["name"] == "ruler" and saved["gpu"] == "cpu"
+    assert first.paths["ruler"].name == "ruler-cpu.json"  # one current file, whatever the date
     row = next(r for r in saved["rows"] if r["task"] == "niah_single_1" and r["context"] == 8192)
     assert row == {"model": "smollm2-135m", "trained_context": 8192, "context": 8192,
                    "multiple": 1.0, "task": "niah_single_1", "backend": "infinitehip",
                    "config": "{}", "ops": "pytorch", "score": 50.0, "n": 2, "nulls": 0,
-                   "tokens": 7992.0}
+                   "tokens": 7992.0, "date": first.date, "command": first.command}
     summary = {(s["backend"], s["context"]): s for s in saved["summary"]}
     assert summary["infinitehip", 8192]["average"] == 75.0
     assert summary["infinitehip", 8192]["ratio_to_1x"] == 1.0
@@ -175,8 +176,9 @@ def test_rows_summary_and_a_later_run_replacing_only_its_cells(tmp_path):
     answers = json.loads(first.paths["ruler-samples"].read_text())["rows"]
     assert len(answers) == 5 and {a["score"] for a in answers} == {0.0, 100.0}
 
-    # a later run measuring 2x qa_1 and remeasuring 2x niah keeps every other cell
-    later = results()
+    # a later run (any later day: the file is the same) measuring 2x qa_1 and remeasuring 2x
+    # niah keeps every other cell
+    later = results("python benchmarks/ruler.py --lengths 16384")
     later.add(*hip, sample("niah_single_1", 16384, 0, ["444"]), "wrong")
     later.add(*hip, sample("qa_1", 16384, 0, ["Paris"]), "Paris")
     saved = json.loads(later.paths["ruler"].read_text())
@@ -186,7 +188,9 @@ def test_rows_summary_and_a_later_run_replacing_only_its_cells(tmp_path):
                      ("infinitehip", 16384, "niah_single_1"): 0.0,
                      ("infinitehip", 16384, "qa_1"): 100.0,
                      ("default", 16384, "niah_single_1"): 0.0}
-    assert saved["command"].count("; ") == 1
+    # both runs still have cells in the file
+    assert saved["command"] == ("python benchmarks/ruler.py --lengths 8192 16384; "
+                                "python benchmarks/ruler.py --lengths 16384")
     assert len(json.loads(later.paths["ruler-samples"].read_text())["rows"]) == 6
 
     ruler.print_table(saved)
