@@ -18,7 +18,7 @@ pages in random order). For each context it measures, in the same run:
 - the bandwidth floor of the bytes a reuse step must read, at the measured copy bandwidth;
 - attention-mass recall: the share of the dense softmax mass (decode query) on the keys selected.
 
-Keys carry planted structure (smooth bumps aligned with the query) so that recall means something.
+Keys hold planted structure (smooth bumps aligned with the query) so that recall means something.
 Writes benchmarks/results/attention-<gpu|cpu>.json and prints tables; plot with
 benchmarks/plot.py.
 """

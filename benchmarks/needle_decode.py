@@ -51,7 +51,7 @@ def main() -> int:
                          "the samples; its settings are the layers' parameters here")
     ap.add_argument("--infinitehip", nargs="+", default=None,
                     help="JSON settings whose cascades are compared on the same Q/K (default: "
-                         "--config's); each row carries its settings")
+                         "--config's); each row names its settings")
     ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--cache", type=Path, default=Path(".cache/ruler"),
                     help="ruler.py's --cache, where the samples' prompts are")
@@ -66,7 +66,7 @@ def main() -> int:
     from vllm_infinitehip.config import InfiniteHiPConfig
 
     settings = json.loads(args.config)
-    config = json.dumps(settings, sort_keys=True)  # infinitehip rows carry "{}" for the defaults
+    config = json.dumps(settings, sort_keys=True)  # infinitehip rows hold "{}" for the defaults
     rows = [r for r in json.loads(args.samples.read_text())["rows"]
             if r["model"] == common.model_name(args.model) and r["backend"] == "infinitehip"
             and r["task"] == args.task and r["context"] == args.context

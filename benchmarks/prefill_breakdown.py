@@ -46,7 +46,8 @@ from vllm_infinitehip.kernels.triton_bsa import sparse_prefill_attention
 from vllm_infinitehip.config import InfiniteHiPConfig
 
 # name -> _launch_config(head_dim, rope) replacement, or None for the code's own
-# (the whole tile with pipelining and a rotation needs more shared memory than an H200 has)
+# (measured on an H200: the whole tile with pipelining and a rotation needed more shared memory
+# than it has)
 VARIANTS = {
     "default": None,
     "half-tile": lambda d, rope=False: ((32 if d > 128 else 64) // 2, 8, 1 if rope else 3),

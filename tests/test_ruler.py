@@ -83,7 +83,7 @@ def test_plain_samples_are_rulers_base_template_and_are_cached(tiny_model, tmp_p
     assert prompt.endswith(", they are: ")
     assert "in the text above. Answer: According to the chain(s)" in prompt[-300:]
     assert path.stat().st_size > 0
-    # the same tokenizer at another path (the model rebuilt on a GPU machine) finds them: the
+    # the same tokenizer at another path (the model rebuilt on another machine) finds them: the
     # cache is keyed by what the tokenizer does, not where it lies
     elsewhere = tmp_path / "elsewhere" / Path(tiny_model).name
     shutil.copytree(tiny_model, elsewhere)

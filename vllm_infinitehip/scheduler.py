@@ -4,11 +4,11 @@ prefill chunks on the pruning's query-block grid.
 Every step, vLLM 0.26's ``Scheduler.schedule`` walks one running request's whole block list to
 count the blocks every request shares (``KVCacheManager.get_num_common_prefix_blocks``). Only
 cascade attention reads the count, and ``InfiniteHiPBackend.use_cascade_attention`` is always
-False (the V2 model runner, the H200's default, reads it nowhere). With one request the walk
-covers every block of its context: 3.0 ms per step at 512K tokens, 4.6 ms at 900K, in Python on
-the engine core's critical path (2 CPU cores; ``benchmarks/scheduler_host.py``). A 512K
-infinitehip decode step keeps the GPU busy for about 5.6 ms, so on such a host the walk alone is
-half of it; FLASH_ATTN's 20 ms steps hide it.
+False (the V2 model runner, which vLLM 0.26 chose on the H200 measured, reads it nowhere). With
+one request the walk covers every block of its context: on a 2-core CPU, 3.0 ms per step at 512K
+tokens and 4.6 ms at 900K, in Python on the engine core's critical path
+(``benchmarks/scheduler_host.py``). A 512K infinitehip decode step kept an H200 busy for about
+5.6 ms, so on such a host the walk alone is half of it; FLASH_ATTN's 20 ms steps hide it.
 
 These subclasses answer zero for every group without walking, which is exact for a model whose
 attention never cascades.
