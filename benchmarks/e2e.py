@@ -63,7 +63,14 @@ DECODE_TOKENS = 128
 DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B"
 
 
-ENGINE_MODIFIERS = ("ext", "vllm-scheduler", "mp", "qb128", "qb256", "tp2", "ray")
+ENGINE_MODIFIERS = ("ext", "vllm-scheduler", "mp", "qb128", "qb256", "tp2", "ray", "rules",
+                    "paper")
+# ``+rules``: the selection rules that are not the paper's (z-score head ranking, exact last
+# stage, window candidates dropped at every stage); ``+paper``: the paper's three
+SELECTION_RULES = {"rules": dict(head_reduction="z-score", exact_last_stage=True,
+                                 drop_window_candidates=True),
+                   "paper": dict(head_reduction="max", exact_last_stage=False,
+                                 drop_window_candidates=False)}
 
 
 def engine_parts(name: str) -> tuple[str, set[str]]:
@@ -82,7 +89,8 @@ def engine_spec(name: str, max_len: int, trained: int | None = None) -> dict:
     ``flash_attn``) runs the engine core in its own process, as ``LLM`` and ``vllm serve`` do by
     default; it is read in ``run_engine``, before vLLM is imported. ``+qb128`` / ``+qb256``: the
     first pruning stage scores query blocks of 128 / 256 queries (16 pooled each), the later
-    stages 64 (neighbouring blocks share the first stage's prefill work). ``+tp2`` (also on
+    stages 64 (neighbouring blocks share the first stage's prefill work). ``+rules`` /
+    ``+paper``: the selection rules set one way or the other (:data:`SELECTION_RULES`). ``+tp2`` (also on
     ``flash_attn``): tensor parallelism over two GPUs, with vLLM's ``mp`` executor, or with
     ``+ray`` its Ray executor (``--distributed-executor-backend ray``, a local Ray cluster)."""
     kw = dict(load_format="dummy", dtype="bfloat16", max_model_len=max_len,
@@ -96,6 +104,8 @@ def engine_spec(name: str, max_len: int, trained: int | None = None) -> dict:
     if preset == "flash_attn":
         return {**kw, "attention_backend": "FLASH_ATTN"}
     hip = {"preset": preset, "rope_extension": "ext" in mods}
+    for mod in mods & set(SELECTION_RULES):
+        hip.update(SELECTION_RULES[mod])
     if "ext" in mods:
         if trained is None:
             raise SystemExit(f"{name!r}: +ext needs the model's trained length")
