@@ -30,7 +30,7 @@ def offline_models():
     """The offline-models helper (not part of the installed package: it lives beside the tests)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from vllm_infinitehip import offline_models as helper
+    from tests.helpers import offline_models as helper
 
     return helper
 

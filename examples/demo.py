@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# the offline-models helper lives beside the tests, not in the installed package
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> int:
@@ -24,7 +28,7 @@ def main() -> int:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vllm_infinitehip.offline_models import smollm2_135m
+    from tests.helpers.offline_models import smollm2_135m
     from vllm_infinitehip.passkey import make_passkey_prompt
 
     model = smollm2_135m()

