@@ -102,6 +102,29 @@ def test_completions_and_streaming(server):
     assert "InfiniteHiP config: preset=3k sink=32 window=256" in log.read_text()
 
 
+def test_metrics_has_the_infinitehip_series_with_no_flag(server):
+    """No ``--kv-transfer-config``: the plugin turns its metrics connector on by itself."""
+    proc, base, model, log = server
+    long_prompt = " ".join(f"word{i % 50}" for i in range(1200))  # past the dense threshold
+    post(base + "/v1/completions", {"model": model, "prompt": long_prompt, "max_tokens": 4,
+                                    "temperature": 0})  # fmt: skip
+    series: dict[str, float] = {}
+    deadline = time.time() + 30  # the workers' counters reach /metrics at most every second
+    while time.time() < deadline:
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        series = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                  for line in text.splitlines() if line.startswith("vllm:infinitehip_")}
+        if any(k.startswith("vllm:infinitehip_queries_total") and "sparse_decode" in k and v > 0
+               for k, v in series.items()):
+            break
+        time.sleep(1)
+    assert any(k.startswith("vllm:infinitehip_attended_pairs_total") and v > 0
+               for k, v in series.items()), sorted(series)
+    assert any("sparse_decode" in k and v > 0 for k, v in series.items()
+               if k.startswith("vllm:infinitehip_queries_total")), sorted(series)
+
+
 def test_shuts_down_cleanly(server):
     proc, base, model, log = server
     proc.send_signal(signal.SIGTERM)

@@ -14,13 +14,18 @@
    ``infinitehip.offload`` on, to set ``parallel_config.worker_cls`` to the host tier's worker
    (:func:`use_host_tier_worker`).
 4. vLLM refuses ``--max-model-len`` above the trained length and sizes its rotary cache to it;
-   :func:`extend_context_at_engine_args` raises both for infinitehip (see there).
+   :func:`extend_context_at_engine_args` raises both for infinitehip (see there). The same
+   engine-arguments hook turns the ``vllm:infinitehip_*`` series on: the plugin's metrics
+   connector is the only channel from the workers to ``/metrics``, and vLLM has no other way
+   to add one (:func:`enable_metrics_connector`).
 
 Each function is idempotent: ``register()`` runs in every vLLM process, sometimes more than once.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from enum import Enum
 from typing import Any
 
@@ -283,6 +288,7 @@ def extend_context_at_engine_args() -> None:
     def create_model_config(self):
         if _chose_infinitehip(self):
             _extend_context(self)
+            enable_metrics_connector(self)
         return original(self)
 
     setattr(create_model_config, _PATCHED_MARK, True)
@@ -321,3 +327,82 @@ def _extend_context(args: Any) -> None:
             f"plugin extends by itself. Add {flag} if a longer rotary cache is all it needs."
         )
     args.hf_overrides = {**(user_overrides or {}), "max_position_embeddings": wanted}
+
+
+def enable_metrics_connector(args: Any) -> None:
+    """Put the ``vllm:infinitehip_*`` series on ``/metrics`` with no flag from the user.
+
+    With infinitehip chosen, stats logging on (``vllm serve``'s default; ``LLM`` turns it off) and
+    no KV connector configured, ``args.kv_transfer_config`` becomes the plugin's metrics
+    connector (:mod:`vllm_infinitehip.prometheus`), which moves no KV. Where the user configured
+    a connector of their own, or vLLM would add one (``kv_offloading_size``), theirs stays and
+    the log says how to run both through vLLM's ``MultiConnector``. Where vLLM refuses any
+    connector, the log says why the series are absent and the engine starts without them.
+    """
+    from vllm.logger import init_logger
+
+    from vllm_infinitehip.prometheus import metrics_connector_config
+
+    if getattr(args, "disable_log_stats", False):
+        return  # nothing reaches /metrics (an LLM(...) engine by default)
+    logger = init_logger(f"vllm.{__name__}")
+    ours = metrics_connector_config()
+    transfer = getattr(args, "kv_transfer_config", None)
+    if getattr(transfer, "kv_connector", None) is not None:
+        if not _names_metrics_connector(transfer):
+            theirs = {"kv_connector": transfer.kv_connector, "kv_role": transfer.kv_role}
+            if getattr(transfer, "kv_connector_module_path", None):
+                theirs["kv_connector_module_path"] = transfer.kv_connector_module_path
+            logger.info(
+                "kv_transfer_config names %s, so the vllm:infinitehip_* series are off. vLLM "
+                "runs one connector; to have both, wrap them in its MultiConnector: "
+                "--kv-transfer-config '%s' (with your connector's extra config in its entry)",
+                transfer.kv_connector, json.dumps(_multi_connector(theirs, ours)),
+            )  # fmt: skip
+        return
+    offloading = getattr(args, "kv_offloading_size", None)
+    if offloading is not None:
+        logger.info(
+            "kv_offloading_size=%s makes vLLM add its own KV connector, so the "
+            "vllm:infinitehip_* series are off. To have both, configure the offloading "
+            "connector and ours in vLLM's MultiConnector through --kv-transfer-config "
+            "(ours: %s) instead of --kv-offloading-size", offloading, json.dumps(ours),
+        )  # fmt: skip
+        return
+    refused = _connector_refused(args)
+    if refused:
+        logger.warning("The vllm:infinitehip_* series are off: %s. The engine starts "
+                       "without them", refused)  # fmt: skip
+        return
+    from vllm.config import KVTransferConfig
+
+    args.kv_transfer_config = KVTransferConfig(**ours)
+
+
+def _names_metrics_connector(transfer: Any) -> bool:
+    """The KV connector config includes the plugin's metrics connector (alone or in a
+    ``MultiConnector``)."""
+    from vllm_infinitehip.prometheus import is_metrics_connector
+
+    if transfer.kv_connector == "MultiConnector":
+        children = (transfer.kv_connector_extra_config or {}).get("connectors") or []
+        return any(is_metrics_connector(c) for c in children)
+    return is_metrics_connector(transfer)
+
+
+def _multi_connector(*children: dict) -> dict:
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": list(children)}}  # fmt: skip
+
+
+def _connector_refused(args: Any) -> str | None:
+    """Why vLLM 0.26 would refuse any KV connector with these arguments, or None."""
+    alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments:True" in alloc and not getattr(args, "enable_cumem_allocator", False):
+        return ("vLLM runs no KV connector with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                "unless --enable-cumem-allocator is on, and the series reach /metrics through "
+                "one")  # fmt: skip
+    if getattr(args, "enable_return_routed_experts", False):
+        return ("vLLM runs no KV connector with --enable-return-routed-experts, and the series "
+                "reach /metrics through one")  # fmt: skip
+    return None

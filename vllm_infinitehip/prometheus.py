@@ -1,4 +1,4 @@
-"""InfiniteHiP's counters on vLLM's own ``/metrics``, carried by vLLM's KV-connector stats path.
+"""InfiniteHiP's counters on vLLM's own ``/metrics``, through vLLM's KV-connector stats path.
 
 vLLM 0.26 has one channel from the workers to the process that serves ``/metrics``: a KV
 connector's ``get_kv_connector_stats()``, called on every worker after every step
@@ -7,15 +7,17 @@ connector's ``get_kv_connector_stats()``, called on every worker after every ste
 to the connector class's ``build_prom_metrics`` object in the frontend (``KVConnectorProm``, or
 Ray's metric wrappers under Ray). ``vllm.stat_logger_plugins`` loggers see only scheduler-side
 stats, so they cannot reach the workers' counters. This module is a connector that moves no KV
-at all: it only reports. Turn it on with::
+at all: it only reports. The plugin turns it on by itself wherever infinitehip serves with stats
+logging on and no KV connector is configured (``compat.enable_metrics_connector``; ``vllm
+serve``'s default), as if the user had passed::
 
     --kv-transfer-config '{"kv_connector": "InfiniteHiPMetricsConnector",
                            "kv_connector_module_path": "vllm_infinitehip.prometheus",
                            "kv_role": "kv_both"}'
 
-A deployment that needs its own connector keeps it by wrapping both in vLLM's ``MultiConnector``
-(see the README's "Serving" section); this connector never claims tokens, so ``MultiConnector``
-loads from the other one.
+A deployment that needs its own connector keeps it (the startup log shows the combined flag):
+wrapping both in vLLM's ``MultiConnector`` gives both; this connector never claims tokens, so
+``MultiConnector`` loads from the other one.
 
 When to read device counters: reading them syncs the device, and vLLM asks every step. The
 scheduler-side half decides, once per step and the same for every worker, whether this step
