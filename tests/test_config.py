@@ -45,6 +45,15 @@ def test_every_field_overridable_and_json_string():
     assert InfiniteHiPConfig.from_user(c.to_dict()) == c
 
 
+def test_negative_dense_layers_count_from_the_last_layer():
+    c = InfiniteHiPConfig.from_user({"dense_layers": [0, 1, 2, 3, -1]})
+    assert c.for_layers(24).dense_layers == (0, 1, 2, 3, 23)
+    assert c.for_layers(24).final_keep_for_layer(23) == 4096
+    assert c.for_layers(4).dense_layers == (0, 1, 2, 3)  # the last is one of the first four
+    with pytest.raises(InfiniteHiPConfigError, match=r"infinitehip.dense_layers\[0\]"):
+        InfiniteHiPConfig.from_user({"dense_layers": [-30]}).for_layers(24)
+
+
 def test_selection_rules_parse_and_reach_the_layers():
     from vllm_infinitehip.backend import layer_prune_params
 
@@ -85,7 +94,7 @@ def test_selection_rules_parse_and_reach_the_layers():
         ({"window_tokens": 128}, "infinitehip.window_tokens"),
         ({"stages": [{"chunk_size": 8}]}, "infinitehip.stages[0].keep_tokens"),
         ({"stages": [{"chunk_size": 8, "keep_tokens": 64, "size": 1}]}, "infinitehip.stages[0].size"),
-        ({"dense_layers": [-1]}, "infinitehip.dense_layers[0]"),
+        ({"dense_layers": [1.5]}, "infinitehip.dense_layers[0]"),
         ({"prefill_final_query_own_mask": 1}, "infinitehip.prefill_final_query_own_mask"),
         ({"head_reduction": "mean"}, "infinitehip.head_reduction"),
         ({"exact_last_stage": "yes"}, "infinitehip.exact_last_stage"),

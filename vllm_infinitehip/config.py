@@ -110,6 +110,7 @@ class InfiniteHiPConfig:
       next one's): neighbouring blocks then share its work, and the last stage's blocks are
       block-sparse attention's.
     - ``dense_layer_keep_tokens`` / ``dense_layers``: layers that keep a larger final budget.
+      Negative indices count from the last layer (``-1``: the last), as in Python.
     - ``refresh_intervals``: one decode-step interval per stage for recomputing the mask.
     - ``dense_threshold``: sequences up to this many tokens run exact dense attention.
       ``None`` means sink + window + final budget, the point below which sparsity saves nothing.
@@ -380,7 +381,7 @@ class InfiniteHiPConfig:
                 kwargs[name] = v
         if "dense_layers" in values:
             kwargs["dense_layers"] = tuple(
-                _int(v, f"infinitehip.dense_layers[{i}]", minimum=0)
+                _int(v, f"infinitehip.dense_layers[{i}]", minimum=-(1 << 16))
                 for i, v in enumerate(_list(values["dense_layers"], "infinitehip.dense_layers"))
             )
         kwargs["stages"] = tuple(
@@ -407,8 +408,30 @@ class InfiniteHiPConfig:
         try:
             key = json.dumps(raw, sort_keys=True)
         except TypeError:  # not plain JSON (e.g. an InfiniteHiPConfig): parse it directly
-            return cls.from_user(raw)
-        return _parsed(key)
+            config = cls.from_user(raw)
+        else:
+            config = _parsed(key)
+        model = getattr(vllm_config, "model_config", None)
+        layers = getattr(getattr(model, "hf_text_config", None), "num_hidden_layers", None)
+        return config if layers is None else config.for_layers(int(layers))
+
+    def for_layers(self, num_layers: int) -> InfiniteHiPConfig:
+        """This config for a model of ``num_layers`` layers: negative ``dense_layers`` counted
+        from the last (one reaching before the first raises, naming the field; a positive one
+        past the last names no layer, as on any shorter model)."""
+        resolved = []
+        for i, layer in enumerate(self.dense_layers):
+            at = layer + num_layers if layer < 0 else layer
+            if at < 0:
+                raise InfiniteHiPConfigError(
+                    f"`infinitehip.dense_layers[{i}]`={layer} is outside the model's "
+                    f"{num_layers} layers"
+                )
+            resolved.append(at)
+        resolved_layers = tuple(dict.fromkeys(resolved))
+        if resolved_layers == self.dense_layers:
+            return self
+        return dataclasses.replace(self, dense_layers=resolved_layers)
 
     def validate(self) -> None:
         """Cross-field consistency; raises :class:`InfiniteHiPConfigError` naming the field."""
