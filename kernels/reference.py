@@ -67,10 +67,22 @@ class RopePlan:
     pruning: str = "relative"
     bsa: str = "streaming"
     trained_context: int = 0
+    # the first query position the pruning stages score at remapped positions; None: the
+    # trained length, as attention. 0 scores every query remapped while attention below the
+    # trained length keeps true positions (``remap_pruning: "always"``).
+    pruning_from: int | None = None
 
     def remaps(self, last_pos: torch.Tensor) -> torch.Tensor:
-        """Which query blocks (by their last query's position) take the remapping."""
+        """Which query blocks (by their last query's position) attend remapped."""
         return last_pos >= self.trained_context
+
+    def prunes_remapped(self, last_pos: torch.Tensor) -> torch.Tensor:
+        """Which query blocks (by their last query's position) score at remapped positions."""
+        return last_pos >= self.pruning_threshold
+
+    @property
+    def pruning_threshold(self) -> int:
+        return self.trained_context if self.pruning_from is None else self.pruning_from
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,11 @@ class PruneParams:
     def scan_window(self) -> int:
         """sw' of §1.3: the window shrunk by one stage-1 chunk during the scan."""
         return self.window_tokens - self.stages[0].chunk_size
+
+    @property
+    def prune_remap_from(self) -> int:
+        """The first query position the pruning stages score remapped; 0 without a remapping."""
+        return self.rope.pruning_threshold if self.rope is not None else 0
 
     @property
     def remap_from(self) -> int:
@@ -576,7 +593,7 @@ def run_stages(
     remap = rope is not None and rope.pruning != "none"
     true_qk = (q, k)
     # (a request still inside the trained length needs no un-rotated copies at all)
-    if remap and q_positions.numel() and bool(rope.remaps(q_positions.max())):
+    if remap and q_positions.numel() and bool(rope.prunes_remapped(q_positions.max())):
         # Score with un-rotated queries and keys, then place them where the style says.
         q = rotate(q.float(), -q_positions.long(), rope.table)
         k = rotate(k.float(), -torch.arange(seq_len, device=k.device), rope.table)
@@ -751,7 +768,7 @@ def _block_scores(
 
     if rope is None or rope.pruning == "none":
         return true_scores()
-    remapped = rope.remaps(block_last)
+    remapped = rope.prunes_remapped(block_last)
     if not bool(remapped.any()):
         return true_scores()
     qp = pool_queries(q, st.block_size_q, st.query_stride) * scale

@@ -914,7 +914,7 @@ def refresh_masks(
                          "(decode.allocate_scores with heads) and no reduce_scores")
     hkv = kv_cache.shape[3]
     page_size = kv_cache.shape[2]
-    trained = params.remap_from
+    trained = params.prune_remap_from  # rows from here on score at remapped positions
     if placement is not None:
         check_layout(placement.table, d)
         capacity = rows.block_table.shape[1] * page_size

@@ -747,8 +747,8 @@ def run_stages_blocks(
         pooling = (st.block_size_q, st.query_stride)
         # Blocks below the trained length score their true queries against the keys as cached,
         # as without the remapping (chosen on device: no sync).
-        turn = None if style == "none" else rope.remaps(stage_blocks.first_pos
-                                                        + stage_blocks.count - 1)  # fmt: skip
+        turn = None if style == "none" else rope.prunes_remapped(stage_blocks.first_pos
+                                                                 + stage_blocks.count - 1)
         if pooling not in pooled:
             shape, groups = (-1, st.block_size_q, hq, d), present.view(-1, st.block_size_q)
             qp = pool_block_queries(rows.view(shape), groups, st.query_stride) * scale

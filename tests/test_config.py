@@ -99,6 +99,7 @@ def test_selection_rules_parse_and_reach_the_layers():
         ({"head_reduction": "mean"}, "infinitehip.head_reduction"),
         ({"exact_last_stage": "yes"}, "infinitehip.exact_last_stage"),
         ({"drop_window_candidates": 0}, "infinitehip.drop_window_candidates"),
+        ({"remap_pruning": "never"}, "infinitehip.remap_pruning"),
         ({"head_reduction": "z-score", "tp_mask": "global"}, "infinitehip.head_reduction"),
         ("{not json", "not valid JSON"),
     ],

@@ -692,3 +692,46 @@ def test_z_score_ranking_refuses_max_reduced_scratch():
                          rows_on(DEVICE, table, [700], [0], [0]), 1.0, scores)  # fmt: skip
 
 
+
+
+@pytest.mark.parametrize("rope_style", ["relative", "chunk-indexed"])
+def test_remapped_pruning_below_the_trained_length_keeps_true_position_attention(rope_style):
+    """``pruning_from=0`` (``remap_pruning: "always"``): rows below the trained length (2000)
+    are pruned as the remapping prunes them and attend their blocks at true positions; the
+    kernels equal the reference on a batch mixing both sides."""
+    gen = torch.Generator().manual_seed(37)
+    hq, hkv, d, page = 4, 2, 32, 16
+    remapping = rope_plan(rope_style, d)
+    rope = dataclasses.replace(remapping, trained_context=2000, pruning_from=0)
+    params = small_params(rope)
+    seq_lens = [1500, 2900, 1999]
+    below = [0, 2]
+    cache, table, q = batch(seq_lens, hq, hkv, d, page, gen)
+    scale = d**-0.5
+    slots, levels = [0, 1, 2], [0] * 3
+    rows_cpu = rows_on("cpu", table, seq_lens, slots, levels)
+    cpu = torch.device("cpu")
+
+    def reference(p):
+        masks = dec.DecodeMasks.allocate(p, 64, 3, cpu)
+        dec.refresh_masks_reference(p, masks, q, cache, rows_cpu, scale)
+        out, _ = dec.attend_reference(p, masks, q, cache, rows_cpu, scale)
+        return masks, out
+
+    want, want_out = reference(params)
+    remapped, _ = reference(small_params(remapping))  # every row pruned and attended remapped
+    plain, _ = reference(small_params(dataclasses.replace(remapping, trained_context=2000)))
+    assert_masks_equal(want, remapped, slots)
+    assert not torch.equal(want.final[below], plain.final[below])  # the pruning moved
+    # attention below the trained length at true positions: as the plain path over want's blocks
+    true_pos = small_params(dataclasses.replace(remapping, trained_context=1 << 20))
+    true_out, _ = dec.attend_reference(true_pos, want, q, cache, rows_cpu, scale)
+    assert torch.equal(want_out[below], true_out[below])
+
+    dev = torch.device(DEVICE)
+    got = dec.DecodeMasks.allocate(params, 64, 3, dev)
+    scores = dec.allocate_scores(dec.stage_widths(params, 3000), 4, dev)
+    placement = td.QueryPlacement.build(rope_style, rope.table, params.scan_window, dev)
+    rows = rows_on(DEVICE, table, seq_lens, slots, levels)
+    td.refresh_masks(params, got, q.to(dev), cache.to(dev), rows, scale, scores, placement)
+    assert_masks_equal(got, want, slots)

@@ -813,3 +813,28 @@ def test_all_selection_rules_prefill_cascade_equals_reference(pruning):
                               seq_len=t)  # fmt: skip
     assert_same_selection(got, want)
     assert_same_resume(params, q, k, cache, block_table, pos, scale, want)
+
+
+@pytest.mark.parametrize("pruning", ["relative", "chunk-indexed"])
+def test_remapped_pruning_below_the_trained_length_equals_reference(pruning):
+    """``pruning_from=0``: query blocks below the trained length (here all of them) score at
+    remapped positions in the kernel cascade as in the reference, unlike the plain plan."""
+    import dataclasses
+
+    t, nq, hq, hkv, d, page, scale = 700, 40, 4, 2, 32, 16, 0.18
+    gen = torch.Generator().manual_seed(29)
+    table = RopeTable.default(d, 10000.0)
+    pos = torch.arange(t - nq, t)
+    k = rotate(torch.randn(t, hkv, d, generator=gen), torch.arange(t), table)
+    q = rotate(torch.randn(nq, hq, d, generator=gen), pos, table)
+    cache, block_table = paged_cache(k, page, gen)
+    below = ref.RopePlan(table, pruning, "streaming", trained_context=10_000)
+    params = dataclasses.replace(small_params("midpoint"),
+                                 rope=dataclasses.replace(below, pruning_from=0))
+    want = ref.run_stages(params, q, k, pos, scale)
+    plain = ref.run_stages(dataclasses.replace(params, rope=below), q, k, pos, scale)
+    assert not torch.equal(want.block_starts[want.block_valid],
+                           plain.block_starts[plain.block_valid])  # fmt: skip
+    got = tp.run_stages_paged(params, q.to(DEVICE), cache, block_table, pos.to(DEVICE), scale,
+                              seq_len=t)  # fmt: skip
+    assert_same_selection(got, want)

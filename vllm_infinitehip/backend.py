@@ -786,6 +786,7 @@ class InfiniteHiPImpl(AttentionImpl):
             pruning=self.config.rope_pruning_for_layer(layer_index),
             bsa=self.config.rope_bsa,
             trained_context=self.trained_context,
+            pruning_from=0 if self.config.remap_pruning == "always" else None,
         )
 
     # ---------------------------------------------------------------- per step

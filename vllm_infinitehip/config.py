@@ -59,6 +59,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 PROBE_RULES = ("midpoint", "first")
 HEAD_REDUCTIONS = ("max", "z-score")
+REMAP_PRUNING = ("past-trained", "always")
 ROPE_PRUNING_STYLES = ("paper", "relative", "chunk-indexed", "none")
 ROPE_BSA_STYLES = ("streaming", "none")
 SCORING_PRECISIONS = ("tf32", "fp32")
@@ -134,6 +135,10 @@ class InfiniteHiPConfig:
     - ``rope_pruning``: RoPE style in the pruning stages when extending: ``"paper"`` (chunk-indexed
       in ``dense_layers``, relative elsewhere), ``"relative"``, ``"chunk-indexed"`` or ``"none"``.
     - ``rope_bsa``: RoPE style in block-sparse attention when extending: ``"streaming"``, ``"none"``.
+    - ``remap_pruning``: which queries the pruning stages score at remapped positions when
+      extending: ``"past-trained"`` (those at or past ``trained_context``, as attention) or
+      ``"always"`` (every query, as the authors' code does; attention below the trained length
+      still keeps true positions).
     - ``trained_context``: the model's trained length; filled in from the model's config.
     - ``prefill_tail_window``: the last ``block_size_q`` queries of every prefill chunk (the ones
       that produce the first output token) attend with this larger window. ``"auto"`` (the
@@ -179,6 +184,7 @@ class InfiniteHiPConfig:
     rope_extension: bool | str = "auto"
     rope_pruning: str = "paper"
     rope_bsa: str = "streaming"
+    remap_pruning: str = "past-trained"
     trained_context: int | None = None
     scoring_precision: str = "tf32"
     prefill_dense_threshold: int | str | None = "auto"
@@ -284,7 +290,8 @@ class InfiniteHiPConfig:
             f"dense_layers={list(self.dense_layers)}->k={self.dense_layer_keep_tokens} "
             f"prefill_tail_window={self.prefill_tail_window} "
             f"prefill_final_query_own_mask={self.prefill_final_query_own_mask} "
-            f"rope_extension={self.rope_extension} trained_context={self.trained_context} "
+            f"rope_extension={self.rope_extension} remap_pruning={self.remap_pruning} "
+            f"trained_context={self.trained_context} "
             f"scoring_precision={self.scoring_precision} "
             f"prefill_dense_threshold={self.prefill_dense_threshold} "
             f"offload={self.offload} tp_mask={self.tp_mask}"
@@ -349,6 +356,7 @@ class InfiniteHiPConfig:
             ("scoring_precision", SCORING_PRECISIONS),
             ("tp_mask", TP_MASK_MODES),
             ("head_reduction", HEAD_REDUCTIONS),
+            ("remap_pruning", REMAP_PRUNING),
         ):
             if name in values:
                 if values[name] not in allowed:
