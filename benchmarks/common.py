@@ -27,12 +27,20 @@ MODEL_HELP = ("a Hugging Face id or a local directory, or a short name of this r
 
 
 def offline_models():
-    """The offline-models helper (not part of the installed package: it lives beside the tests)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from tests.helpers import offline_models as helper
+    """The offline-models helper (not part of the installed package: it lives beside the tests).
+    Loaded from its file: putting the checkout on ``sys.path`` would shadow an installed
+    ``vllm_infinitehip`` with the checkout's, whose ``kernels`` subpackage only the install
+    maps, and ``tests`` may name another distribution's package."""
+    import importlib.util
 
-    return helper
+    name = "vllm_infinitehip_offline_models"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, ROOT / "tests" / "helpers" / "offline_models.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def resolve_model(model: str) -> str:
