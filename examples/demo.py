@@ -22,7 +22,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 5632, 7168])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.3])
-    parser.add_argument("--preset", default="3k")
+    parser.add_argument("--preset", default="3k-fast")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer

@@ -3,9 +3,9 @@ import pytest
 from vllm_infinitehip.config import PRESETS, InfiniteHiPConfig, InfiniteHiPConfigError
 
 
-def test_default_is_3k_with_code_defaults():
+def test_default_is_3k_fast_with_code_defaults():
     c = InfiniteHiPConfig.from_user(None)
-    assert c.preset == "3k"
+    assert c.preset == "3k-fast"
     assert (c.sink_tokens, c.window_tokens) == (256, 1024)
     assert [(s.chunk_size, s.keep_tokens, s.query_stride) for s in c.stages] == [
         (256, 32768, 4),
@@ -25,6 +25,8 @@ def test_every_preset_validates(preset):
 
 
 def test_presets_differ_as_documented():
+    assert InfiniteHiPConfig.from_user({"preset": "3k"}).refresh_intervals == (16, 8, 4)
+    assert InfiniteHiPConfig.from_user({"preset": "3k-fast"}).refresh_intervals == (32, 16, 8)
     assert InfiniteHiPConfig.from_user({"preset": "3k-flash"}).refresh_intervals == (96, 24, 8)
     five = InfiniteHiPConfig.from_user({"preset": "5k"})
     assert [s.chunk_size for s in five.stages] == [64, 32, 16]
