@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: set up .venv if missing or stale, then run the whole CPU test suite.
 # With arguments, they go to one pytest run (`bash scripts/test.sh tests/test_config.py -k x`).
+# The edit-test loop: `bash scripts/test.sh -m "not slow"` leaves out every engine, server and Ray
+# startup and the longest Triton-interpreter tests (about 2 minutes on 2 busy CPU cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -39,6 +39,14 @@ ENGINE_KW = dict(
 )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that starts a vLLM engine (marked ``vllm``: an engine, a server or Ray) is ``slow``
+    too, so ``pytest -m "not slow"`` leaves every startup out."""
+    for item in items:
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     from tests.helpers.offline_models import tiny_llama

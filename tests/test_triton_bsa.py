@@ -378,6 +378,7 @@ def _rotated_request(seq_len, pos, hq, hkv, d, rope, gen):
     return kv, table, q
 
 
+@pytest.mark.slow  # long under the Triton interpreter
 @pytest.mark.parametrize(
     "pruning,nq,after",
     [("relative", 40, 0), ("chunk-indexed", 1, 0), ("relative", 40, 24), (None, 40, 24)],
@@ -434,6 +435,7 @@ def test_triton_ops_match_the_reference_through_backend_calls(pruning, nq, after
     assert int(attended) > 0
 
 
+@pytest.mark.slow  # long under the Triton interpreter
 @pytest.mark.parametrize("pruning", ["relative", "chunk-indexed"])
 def test_triton_ops_keep_blocks_inside_the_trained_length_at_true_positions(pruning):
     """48 queries at 752..799 in blocks of 16, trained length 776: the first block (last query
@@ -481,6 +483,7 @@ def test_triton_ops_keep_blocks_inside_the_trained_length_at_true_positions(prun
 
 # --------------------------------------------------------------------------- GPU, real shapes
 # --------------------------------------------------------------------------- batched prefill
+@pytest.mark.slow  # long under the Triton interpreter
 @pytest.mark.parametrize(
     ("pruning", "first_block"),
     [(None, 32), ("chunk-indexed", 32)],
@@ -728,6 +731,7 @@ def test_prefill_fp8_cache_equals_the_dequantized_cache(rope, dtype):
         torch.testing.assert_close(want.float(), ref_out, **tol)
 
 
+@pytest.mark.slow  # long under the Triton interpreter
 def test_ops_over_an_fp8_cache_match_the_reference_through_backend_calls():
     """The backend's calls with an fp8 cache written by the CPU writer and the layer's scales:
     TritonOps' prune, attend (a body slice) and decode equal ReferenceOps' (every read

@@ -132,6 +132,7 @@ ROPE_STYLES = [None, "relative", "chunk-indexed"]
 # fuse_top=False (the backend's choice when a graph gate skips reuse steps) ranks none inside.
 # "gptj-partial": the kernels split each key by its rotation pairs, GPT-J's interleaved ones
 # and the unrotated dimensions past a partial rotary too.
+@pytest.mark.slow  # long under the Triton interpreter
 @pytest.mark.parametrize(
     ("rope_style", "fused_top_max", "fuse_top", "layout"),
     [(style, 2048, True, "neox") for style in ROPE_STYLES]
@@ -258,6 +259,7 @@ def tier_rows(seed: int, rope_style: str | None):
     return gen, cache, table, refresh
 
 
+@pytest.mark.slow  # long under the Triton interpreter
 @pytest.mark.parametrize("rope_style", [None, "chunk-indexed"])
 def test_cascade_reads_resident_pages_from_the_bank(rope_style):
     """The host tier's GPU cache: with the host's copies of the bank's pages poisoned, the
@@ -279,6 +281,7 @@ def test_cascade_reads_resident_pages_from_the_bank(rope_style):
         assert_masks_equal(masks_from(poisoned), want, [0, 1, 2])
 
 
+@pytest.mark.slow  # long under the Triton interpreter
 @pytest.mark.parametrize(
     "rope_style,k_scale", [(None, 0.5), ("chunk-indexed", -0.5)],
     ids=["true-positions", "chunk-indexed-negative-k-scale"],
@@ -449,6 +452,7 @@ def _key_rows_consistent(bank, cache: torch.Tensor) -> int:
     return resident.numel()
 
 
+@pytest.mark.slow  # long under the Triton interpreter
 def test_key_row_bank_lists_misses_promotes_them_and_serves_the_next_refresh():
     """The host tier's cache for the pruning stages: a refresh through an empty key-row bank
     stores the masks it stores without one, lists what it read, and promotes exactly those
@@ -520,6 +524,7 @@ def test_key_row_bank_lists_misses_promotes_them_and_serves_the_next_refresh():
     assert left < after_write and int(small.occupancy()[0]) == left
 
 
+@pytest.mark.slow  # long under the Triton interpreter
 @pytest.mark.parametrize("rope_style", ["relative", "chunk-indexed"])
 def test_rows_inside_the_trained_length_keep_true_positions(rope_style):
     """A batch mixing rows below and past the trained length (2000): each row's masks and
@@ -615,6 +620,7 @@ RULES = {
 }
 
 
+@pytest.mark.slow  # long under the Triton interpreter
 @pytest.mark.parametrize("rule", list(RULES))
 def test_selection_rule_kernels_equal_reference_where_the_rule_decides(rule):
     """On a case built so that the rule changes the kept blocks (tests/helpers/planted.py),
@@ -652,6 +658,7 @@ def test_selection_rule_kernels_equal_reference_where_the_rule_decides(rule):
         assert not any(s > edge for s in results["rule"])
 
 
+@pytest.mark.slow  # long under the Triton interpreter
 @pytest.mark.parametrize("rope_style", ROPE_STYLES)
 def test_all_selection_rules_cascade_equals_reference_at_mixed_levels(rope_style):
     """z-score ranking, exact last stage and the window check together, on random keys, with
@@ -694,6 +701,7 @@ def test_z_score_ranking_refuses_max_reduced_scratch():
 
 
 
+@pytest.mark.slow  # long under the Triton interpreter
 @pytest.mark.parametrize("rope_style", ["relative", "chunk-indexed"])
 def test_remapped_pruning_below_the_trained_length_keeps_true_position_attention(rope_style):
     """``pruning_from=0`` (``remap_pruning: "always"``): rows below the trained length (2000)

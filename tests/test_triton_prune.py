@@ -509,6 +509,7 @@ def rope_params(pruning: str, probe: str, table: RopeTable) -> ref.PruneParams:
                            ref.RopePlan(table, pruning, "streaming"))  # fmt: skip
 
 
+@pytest.mark.slow  # long under the Triton interpreter
 @pytest.mark.parametrize(
     "pruning,nq,hkv,page,probe",
     [
@@ -546,6 +547,7 @@ def test_run_stages_paged_with_rope_equals_reference(pruning, nq, hkv, page, pro
     assert_same_resume(params, q, k, cache, block_table, pos, scale, want)
 
 
+@pytest.mark.slow  # long under the Triton interpreter
 @pytest.mark.parametrize("pruning", ["relative", "chunk-indexed"])
 def test_run_stages_paged_keeps_blocks_inside_the_trained_length_at_true_positions(pruning):
     """48 queries at 1052..1099 in blocks of 16, trained length 1076: the first block ends
