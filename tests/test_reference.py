@@ -266,7 +266,7 @@ def test_attention_recall_is_the_dense_mass_on_the_mask():
         for h in range(hq):
             probs = (q[i, h] @ k[: p + 1, h // 2].T * 0.25).softmax(-1)
             assert abs(got[i, h] - probs[[0, 7]].sum()) < 1e-5
-    # keys past a query's position carry no mass even when masked in
+    # keys past a query's position get no mass even when masked in
     late = torch.zeros(3, t, dtype=torch.bool)
     late[:, 45:] = True
     assert got.new_zeros(hq).allclose(ref.attention_recall(q, k, pos, late, 0.25)[0])
@@ -422,7 +422,7 @@ def test_fp8_paged_write_and_gather_roundtrip(storage):
         ref.gather_paged_kv(cache, table, t, k_scale=k_scale)
     with pytest.raises(ValueError, match="k_scale"):
         ref.write_paged_kv(cache, k, v, slots)
-    # a cache that is not fp8 ignores the scales (vLLM's layers carry 1.0 for them)
+    # a cache that is not fp8 ignores the scales (vLLM's layers hold 1.0 for them)
     plain = torch.zeros(n_blocks, 2, block_size, hkv, d)
     ref.write_paged_kv(plain, k, v, slots, k_scale=k_scale, v_scale=v_scale)
     assert torch.equal(ref.gather_paged_kv(plain, table, t, k_scale=3.0, v_scale=3.0)[0], k)
