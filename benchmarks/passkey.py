@@ -285,6 +285,8 @@ def main() -> int:
                         "the PyTorch reference, or both compared call by call (compare_ops.py)")
     parser.add_argument("--time-budget", type=float, default=float("inf"),
                         help="seconds; prompts not started by then are skipped")
+    parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
+                        help="auto: the GPU when there is one")
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="GPU: each engine's KV cache, fixed (runs side by side on one GPU); "
                         "default 0.15 of the GPU")
@@ -307,7 +309,11 @@ def main() -> int:
     cells = [(n, d, make_passkey_prompt(tok, n, d, seed=1000 * i + int(d * 100) + n, chat=chat))
              for n in sorted(args.lengths) for d in args.depths for i in range(args.n)]
     max_len = max(c[2].num_tokens for c in cells) + 512
-    device = "gpu" if torch.cuda.is_available() else "cpu"
+    device = args.device
+    if device == "auto":
+        device = "gpu" if torch.cuda.is_available() else "cpu"
+    if device == "gpu" and not torch.cuda.is_available():
+        parser.error("--device gpu: no CUDA device")
     gpu = torch.cuda.get_device_name() if device == "gpu" else "cpu"
     path = execution_path(args.ops, device)
     produced = {("infinitehip", json.dumps(json.loads(h), sort_keys=True), path)
