@@ -8,14 +8,23 @@ sparse path doing the work. Prints each answer, whether it is right, and the spa
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# the offline-models helper lives beside the tests, not in the installed package
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def smollm2_135m() -> Path:
+    """SmolLM2-135M-Instruct's directory, from the offline-models helper beside the tests (not
+    part of the installed package; loaded from its file, so the checkout never shadows the
+    installed ``vllm_infinitehip``)."""
+    path = Path(__file__).resolve().parent.parent / "tests" / "helpers" / "offline_models.py"
+    spec = importlib.util.spec_from_file_location("offline_models", path)
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)
+    return helper.smollm2_135m()
 
 
 def main() -> int:
@@ -28,7 +37,6 @@ def main() -> int:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from tests.helpers.offline_models import smollm2_135m
     from vllm_infinitehip.passkey import make_passkey_prompt
 
     model = smollm2_135m()
