@@ -301,16 +301,18 @@ def _select_rep_kernel(
     if EXACT:
         # Every key of the chunk against the left-branch queries; a valid chunk holds at least
         # one key (start < limit), so none is left at -inf.
+        # (names of their own: the bisection below, which then takes no step, reuses `pos`
+        # and `s` at twice the width, and a compiled loop's variables keep one type)
         for j in tl.static_range(CHUNK_SIZE):
-            pos = left + j
-            live = valid & (pos < right)
-            s = _probe_scores(
-                k_head_ptr, block_table_ptr, pos, live, qa_t, qb_t, qp_t, q_absent, offs_d,
-                d_in, head_dim, stride_kpage, stride_ktok, stride_kd, base - pos, turn,
-                rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION,
-                ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
+            key_pos = left + j
+            key_live = valid & (key_pos < right)
+            key_s = _probe_scores(
+                k_head_ptr, block_table_ptr, key_pos, key_live, qa_t, qb_t, qp_t, q_absent,
+                offs_d, d_in, head_dim, stride_kpage, stride_ktok, stride_kd, base - key_pos,
+                turn, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT,
+                PRECISION, ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
             )  # fmt: skip
-            best = tl.where(live, tl.maximum(best, s), best)
+            best = tl.where(key_live, tl.maximum(best, key_s), best)
         n_iters = 0
     for _ in range(n_iters):
         live = valid & (right - left > 1)
