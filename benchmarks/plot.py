@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -92,8 +93,9 @@ def plot_passkey(result: dict, out: Path) -> None:
                             va="center", fontsize=8)
             ax.set(xlabel="context", ylabel="needle depth")
             label = f"{backend} ({ops} path)" if ops else backend
-            ax.set_title(f"{model} (trained {rows[0]['trained_context'] // 1024}K)\n{label}",
-                         fontsize=10)
+            settings = ", ".join(f"{k}={v}" for k, v in json.loads(config).items()) if config else ""
+            ax.set_title(f"{model} (trained {rows[0]['trained_context'] // 1024}K)\n{label}"
+                         + (f"\n{textwrap.fill(settings, 48)}" if settings else ""), fontsize=8)
         fig.colorbar(im, ax=ax_row.tolist(), shrink=0.8, label="passkey accuracy")
     # above the panels' two-line titles: the default height overlaps them in a one-row figure
     fig.suptitle(f"passkey retrieval, {result['gpu']}, {result['date']}",
@@ -179,28 +181,39 @@ def plot_mask_heads(result: dict, out: Path) -> None:
 
 def plot_ruler(result: dict, out: Path) -> None:
     """Heatmaps of RULER scores by context length (x) and task (y, with the mean of the tasks
-    last): a row per model, a column per backend (the default one, and infinitehip with default
-    settings, or the first compared)."""
+    last): a row per model, a column per engine: the default backend, infinitehip with the
+    settings measured at the most cells, and infinitehip with the settings that score best at
+    the trained length (1x) among the others, when there are others."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(dict.fromkeys(r["model"] for r in result["rows"]))
-    panels = []
-    for model in models:
-        mine = [r for r in result["rows"] if r["model"] == model]
-        hip = sorted({r["config"] for r in mine if r["config"]}, key=lambda c: (c != "{}", c))
-        rows = [r for r in mine if r["config"] in ("", *hip[:1])]
-        cells = Counter((r["backend"], r["ops"]) for r in rows)
-        shown = sorted(max((k for k in cells if k[0] == b), key=cells.get)
-                       for b in {b for b, _ in cells})
-        panels.append((model, [r for r in rows if (r["backend"], r["ops"]) in shown], shown))
-    ncols = max(len(backends) for _, _, backends in panels)
     tasks_of = {t: i for i, t in enumerate(
         ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
          "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1",
          "qa_2"])}
+    models = list(dict.fromkeys(r["model"] for r in result["rows"]))
+    panels = []
+    for model in models:
+        mine = [r for r in result["rows"] if r["model"] == model]
+        cells = Counter((r["backend"], r["ops"], r["config"]) for r in mine)
+        default = [k for k in cells if k[0] != "infinitehip"]
+        hip = sorted((k for k in cells if k[0] == "infinitehip"), key=lambda k: (-cells[k], k))
+        shown = sorted(default, key=lambda k: -cells[k])[:1] + hip[:1]
+        trained = mine[0]["trained_context"]
+
+        def at_1x(k: tuple) -> float:
+            scores = [r["score"] for r in mine if (r["backend"], r["ops"], r["config"]) == k
+                      and r["context"] == trained]
+            return sum(scores) / len(scores) if len(scores) == len(tasks_of) else -1.0
+
+        rest = [k for k in hip[1:] if at_1x(k) >= 0]
+        if rest:
+            shown.append(max(rest, key=at_1x))
+        panels.append((model, [r for r in mine if (r["backend"], r["ops"], r["config"]) in shown],
+                       shown))
+    ncols = max(len(backends) for _, _, backends in panels)
     height = 1.5 + 0.3 * (len({r["task"] for r in result["rows"]}) + 1)
     width = 2.2 + 0.7 * len({r["context"] for r in result["rows"]})
     fig, axes = plt.subplots(len(panels), ncols, figsize=(width * ncols + 1, height * len(panels)),
@@ -210,9 +223,9 @@ def plot_ruler(result: dict, out: Path) -> None:
         tasks = sorted({r["task"] for r in rows}, key=lambda t: (tasks_of.get(t, 99), t))
         for ax in ax_row[len(backends):]:
             ax.axis("off")
-        for ax, (backend, ops) in zip(ax_row, backends):
+        for ax, (backend, ops, config) in zip(ax_row, backends):
             mine = {(r["task"], r["context"]): r for r in rows
-                    if (r["backend"], r["ops"]) == (backend, ops)}
+                    if (r["backend"], r["ops"], r["config"]) == (backend, ops, config)}
             grid = [[mine[t, n]["score"] if (t, n) in mine else float("nan") for n in lengths]
                     for t in tasks]
             # the mean over the tasks measured at that length
@@ -228,10 +241,11 @@ def plot_ruler(result: dict, out: Path) -> None:
                             fontsize=7)
             ax.set(xlabel="context (RULER max_seq_length)")
             label = f"{backend} ({ops} path)" if ops else backend
-            ax.set_title(f"{model} (trained {rows[0]['trained_context'] // 1024}K)\n{label}",
-                         fontsize=10)
+            settings = ", ".join(f"{k}={v}" for k, v in json.loads(config).items()) if config else ""
+            ax.set_title(f"{model} (trained {rows[0]['trained_context'] // 1024}K)\n{label}"
+                         + (f"\n{textwrap.fill(settings, 48)}" if settings else ""), fontsize=8)
         fig.colorbar(im, ax=ax_row.tolist(), shrink=0.8, label="RULER score")
-    fig.suptitle(f"RULER, {result['gpu']}, {result['date']}", y=0.88 + 0.65 / fig.get_figheight())
+    fig.suptitle(f"RULER, {result['gpu']}, {result['date']}", y=0.93 + 0.9 / fig.get_figheight())
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
