@@ -66,11 +66,12 @@ DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B"
 ENGINE_MODIFIERS = ("ext", "vllm-scheduler", "mp", "qb128", "qb256", "tp2", "ray", "rules",
                     "paper")
 # ``+rules``: the selection rules that are not the paper's (z-score head ranking, exact last
-# stage, window candidates dropped at every stage); ``+paper``: the paper's three
+# stage, window candidates dropped at every stage, pruning remapped below the trained length:
+# the defaults); ``+paper``: the paper's (and this plugin's before them)
 SELECTION_RULES = {"rules": dict(head_reduction="z-score", exact_last_stage=True,
-                                 drop_window_candidates=True),
+                                 drop_window_candidates=True, remap_pruning="always"),
                    "paper": dict(head_reduction="max", exact_last_stage=False,
-                                 drop_window_candidates=False)}
+                                 drop_window_candidates=False, remap_pruning="past-trained")}
 
 
 def engine_parts(name: str) -> tuple[str, set[str]]:

@@ -14,6 +14,9 @@ def test_default_is_3k_fast_with_code_defaults():
     ]
     assert c.refresh_intervals == (32, 16, 8)
     assert c.effective_dense_threshold == 256 + 1024 + 2048
+    assert (c.head_reduction, c.exact_last_stage, c.drop_window_candidates) == (
+        "z-score", True, True)
+    assert c.remap_pruning == "always"
     assert c.final_keep_for_layer(0) == 4096 and c.final_keep_for_layer(10) == 2048
 
 
@@ -45,6 +48,18 @@ def test_every_field_overridable_and_json_string():
     assert c.probe == "first" and c.dense_layers == (0,) and c.block_size_k == 4
     assert c.refresh_intervals == (8, 4, 2)
     assert InfiniteHiPConfig.from_user(c.to_dict()) == c
+
+
+def test_dense_decode_threshold_auto_takes_the_device_crossover():
+    auto = InfiniteHiPConfig.from_user(None)
+    assert auto.dense_threshold == "auto"
+    assert auto.decode_threshold(32768) == 32768  # a GPU with FlashAttention
+    assert auto.decode_threshold(None) == 256 + 1024 + 2048  # elsewhere: where sparsity starts
+    fixed = InfiniteHiPConfig.from_user({"dense_threshold": 3328})
+    assert fixed.decode_threshold(32768) == 3328  # an explicit value is kept on every device
+    assert InfiniteHiPConfig.from_user({"dense_threshold": None}).decode_threshold(32768) == 3328
+    with pytest.raises(InfiniteHiPConfigError, match=r"infinitehip\.dense_threshold"):
+        InfiniteHiPConfig.from_user({"dense_threshold": "big"})
 
 
 def test_negative_dense_layers_count_from_the_last_layer():
@@ -178,7 +193,8 @@ def test_prefill_dense_threshold_rule():
 
 def test_tp_mask_is_per_rank_by_default_and_global_on_request():
     assert InfiniteHiPConfig.from_user({}).tp_mask == "per-rank"
-    assert InfiniteHiPConfig.from_user({"tp_mask": "global"}).tp_mask == "global"
+    glob = InfiniteHiPConfig.from_user({"tp_mask": "global"})
+    assert (glob.tp_mask, glob.head_reduction) == ("global", "max")  # what its collective combines
     with pytest.raises(ValueError, match=r"infinitehip\.tp_mask.*per-rank, global"):
         InfiniteHiPConfig.from_user({"tp_mask": "all"})
 

@@ -34,9 +34,11 @@ def short_trained_model(tiny_model, tmp_path_factory) -> str:
 
 
 # Sparse prefill from 512 tokens ("prefill_dense_threshold": None), so a prompt inside the
-# trained length is pruned and attended sparsely too.
+# trained length is pruned and attended sparsely too; pruned at true positions there
+# ("remap_pruning": "past-trained"), so that it runs as without extension.
 HIP = {"sink_tokens": 32, "window_tokens": 256, "dense_threshold": 512, "dense_layers": [0],
        "dense_layer_keep_tokens": 512, "prefill_dense_threshold": None,
+       "remap_pruning": "past-trained",
        "stages": [{"chunk_size": 64, "keep_tokens": 1024, "block_size_q": 32},
                   {"chunk_size": 16, "keep_tokens": 512, "block_size_q": 32},
                   {"chunk_size": 8, "keep_tokens": 256, "block_size_q": 32}]}
@@ -91,7 +93,8 @@ def test_a_prompt_inside_the_trained_length_runs_as_without_extension(
     extended_run, short_trained_model, tmp_path
 ):
     """Sparse prefill and decode of a prompt that stays inside the trained length keep true
-    positions with extension on (only queries past it are remapped): the same greedy tokens as
+    positions with extension on and ``remap_pruning: "past-trained"`` (only queries past it are
+    remapped): the same greedy tokens as
     the same engine with ``"rope_extension": false``, and, since the tiny random model's tokens
     hardly depend on attention, the same selections (each logged query's recall, every layer)."""
     engine = {**ENGINE_KW, "max_model_len": 4096,
@@ -170,4 +173,39 @@ def test_smollm2_retrieves_a_passkey_at_twice_its_trained_length(tmp_path):
     assert stats["dense_queries"] == layers * 8192
     assert stats["sparse_prefill_queries"] == layers * (prompt.num_tokens - 8192)
     assert stats["sparse_decode_queries"] > 0
+    assert prompt.is_correct(answer), f"wanted {prompt.passkey}, got {answer!r}"
+
+
+def test_smollm2_retrieves_a_passkey_only_pruning_can_reach(tmp_path):
+    """The real model at 2x its trained 8K with the default settings, the needle at 30% depth:
+    past the sink, and further back from the question than the prefill's last query block sees
+    through its window (``prefill_tail_window``) or a decode step through its own, so the
+    first answer token and every later one read it only through the blocks pruning selected.
+    On the H200 and the CPU alike SmolLM2 finds it there; deeper in this prompt (50%) it does
+    not with either selection rule, which benchmarks/passkey.py measures across depths."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers.offline_models import smollm2_135m
+    from vllm_infinitehip.config import InfiniteHiPConfig
+    from vllm_infinitehip.passkey import make_passkey_prompt
+
+    model = str(smollm2_135m())
+    tok = AutoTokenizer.from_pretrained(model)
+    prompt = make_passkey_prompt(tok, 16384, depth=0.3, seed=3)
+    ids = tok.encode(prompt.text)
+    key = tok.encode(f" {prompt.passkey}", add_special_tokens=False)
+    starts = [i for i in range(len(ids)) if ids[i : i + len(key)] == key]
+    assert starts, "the passkey's tokens are not in the prompt"
+    config = InfiniteHiPConfig.from_user(None)
+    tail = config.tail_window(8192)  # the widest window any query of the prompt attends
+    last = len(ids) - 1
+    for at in starts:  # every copy of the passkey in the needle sentence
+        assert config.sink_tokens <= at and at + len(key) <= last - tail
+        assert at + len(key) <= last - config.window_tokens
+    engine = {**ENGINE_KW, "max_model_len": prompt.num_tokens + 64, "max_num_seqs": 1,
+              "max_num_batched_tokens": 8192, "kv_cache_memory_bytes": 2 << 30}
+    spec = {"engine": engine, "prompts": [prompt.text], "max_tokens": 8, "report": True}
+    out = generate_in_subprocess(model, "infinitehip", spec, tmp_path, "hip", timeout=1500)
+    answer = tok.decode(out["tokens"][0])
+    assert out["report"]["stats"]["sparse_decode_queries"] > 0
     assert prompt.is_correct(answer), f"wanted {prompt.passkey}, got {answer!r}"

@@ -48,6 +48,7 @@ from vllm_infinitehip.block_manager.bank import Bank, PrefillStaging, decode_rea
 from vllm_infinitehip.block_manager.key_rows import KeyRowBank
 from vllm_infinitehip.config import (
     CPU_DENSE_PREFILL_CROSSOVER,
+    DENSE_DECODE_CROSSOVER,
     DENSE_PREFILL_CROSSOVER,
     InfiniteHiPConfig,
 )
@@ -109,6 +110,17 @@ def prefill_threshold(
 
     crossover = DENSE_PREFILL_CROSSOVER if flash_attention_works(device, kv_fp8) else None
     return config.prefill_threshold(crossover, extension, trained)
+
+
+def decode_threshold(config: InfiniteHiPConfig, device: torch.device, kv_fp8: bool = False) -> int:
+    """Longest context decoded densely: the config's rule with the device's crossover (a GPU
+    where vLLM's FlashAttention reads our cache layout: :data:`config.DENSE_DECODE_CROSSOVER`)."""
+    if device.type != "cuda":
+        return config.decode_threshold(None)
+    from vllm_infinitehip.kernels.ops import flash_attention_works
+
+    return config.decode_threshold(
+        DENSE_DECODE_CROSSOVER if flash_attention_works(device, kv_fp8) else None)
 
 
 def is_fp8_kv(cache_dtype: str) -> bool:
@@ -314,7 +326,8 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         self._init_reorder_batch_threshold(1)
         self.config = InfiniteHiPConfig.from_vllm_config(vllm_config)
         self.block_size = kv_cache_spec.block_size
-        self.threshold = self.config.effective_dense_threshold
+        self.threshold = decode_threshold(self.config, device,
+                                          is_fp8_kv(vllm_config.cache_config.cache_dtype))
         trained, extension = trained_and_extension(self.config, vllm_config.model_config)
         self._trained = trained
         past = self.config.spans_past_trained(trained) if extension else []

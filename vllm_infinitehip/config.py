@@ -68,6 +68,10 @@ TP_MASK_MODES = ("per-rank", "global")
 # H200, 2026-11-30 (README kernel table): one 32K-query prefill chunk of a Llama-3-8B layer took
 # 105 ms sparse and 105 ms with vLLM's FA3 at 128K context, 64 vs 14 ms at 32K.
 DENSE_PREFILL_CROSSOVER = 131072
+# H200, Llama-3-8B shapes, batch 1, through vLLM: sparse decode was 1.09x FLASH_ATTN at 32K
+# (2026-12-01), 1.35x at 64K and 1.73x at 128K (2026-12-05). At 32K it saves under a tenth of a
+# step and loses answers (RULER at 1x), so "auto" decodes densely up to here on a GPU.
+DENSE_DECODE_CROSSOVER = 32768
 # 2 CPU cores, SmolLM2-135M shapes, one 8K-query chunk of all 30 layers through the PyTorch
 # reference (benchmarks/prefill_crossover.py, 2026-12-02): dense was 5.5x (RoPE extension on) and
 # 4.1x (off) cheaper than sparse at 8K, 1.3x at 16K; at 32K sparse was 1.3x cheaper with
@@ -114,14 +118,18 @@ class InfiniteHiPConfig:
     - ``dense_layer_keep_tokens`` / ``dense_layers``: layers that keep a larger final budget.
       Negative indices count from the last layer (``-1``: the last), as in Python.
     - ``refresh_intervals``: one decode-step interval per stage for recomputing the mask.
-    - ``dense_threshold``: sequences up to this many tokens run exact dense attention.
-      ``None`` means sink + window + final budget, the point below which sparsity saves nothing.
+    - ``dense_threshold``: sequences up to this many tokens decode with exact dense attention.
+      ``"auto"`` (default): on a GPU where vLLM's FlashAttention reads the cache,
+      ``DENSE_DECODE_CROSSOVER`` (32K: below it sparse decode saves little and loses answers),
+      elsewhere ``None``'s value; ``None``: sink + window + final budget, the point below which
+      sparsity reads no fewer keys.
     - ``probe``: SelectRep probe rule, ``midpoint`` (code, default) or ``first`` (paper).
     - ``head_reduction``: how a stage's per-head chunk scores become the layer's one ranking:
       ``"max"`` of the raw scores over heads (the paper's), or ``"z-score"``: each head's scores
-      standardised over the row's candidates first, then the max. On models whose q/k biases or
-      delimiter tokens give a few heads large logits everywhere (Qwen2), the raw max lets those
-      heads decide every ranking and outvote the head that reads a needle.
+      standardised over the row's candidates first, then the max (default; ``"max"`` with
+      ``tp_mask: "global"``, whose collective combines raw maxima). On models whose q/k biases
+      or delimiter tokens give a few heads large logits everywhere (Qwen2), the raw max lets
+      those heads decide every ranking and outvote the head that reads a needle.
     - ``exact_last_stage``: the last stage scores each chunk by its best key (every key of a
       ``block_size_k`` chunk loaded: 8 loads against bisection's 6) instead of bisecting. A
       needle is often one sharp key, which bisection can step past.
@@ -175,17 +183,17 @@ class InfiniteHiPConfig:
     refresh_intervals: tuple[int, ...] = (32, 16, 8)
     dense_layers: tuple[int, ...] = (0, 1, 2, 3)
     dense_layer_keep_tokens: int = 4096
-    dense_threshold: int | None = None
+    dense_threshold: int | str | None = "auto"
     probe: str = "midpoint"
-    head_reduction: str = "max"
-    exact_last_stage: bool = False
-    drop_window_candidates: bool = False
+    head_reduction: str = "z-score"
+    exact_last_stage: bool = True
+    drop_window_candidates: bool = True
     prefill_tail_window: int | str | None = "auto"
     prefill_final_query_own_mask: bool = False
     rope_extension: bool | str = "auto"
     rope_pruning: str = "paper"
     rope_bsa: str = "streaming"
-    remap_pruning: str = "past-trained"
+    remap_pruning: str = "always"
     trained_context: int | None = None
     scoring_precision: str = "tf32"
     prefill_dense_threshold: int | str | None = "auto"
@@ -202,9 +210,19 @@ class InfiniteHiPConfig:
 
     @property
     def effective_dense_threshold(self) -> int:
-        if self.dense_threshold is not None:
+        """The decode threshold where no device crossover applies (``"auto"`` as ``None``)."""
+        if isinstance(self.dense_threshold, int):
             return self.dense_threshold
         return self.sink_tokens + self.window_tokens + self.final_keep_tokens
+
+    def decode_threshold(self, dense_crossover: int | None) -> int:
+        """Longest context decoded densely. ``dense_crossover``: the context up to which dense
+        decode is the better choice on this device (:data:`DENSE_DECODE_CROSSOVER` on a GPU with
+        vLLM's FlashAttention), None where it never is; only ``"auto"`` reads it."""
+        base = self.effective_dense_threshold
+        if self.dense_threshold == "auto" and dense_crossover is not None:
+            return max(base, dense_crossover)
+        return base
 
     def prefill_threshold(
         self, dense_crossover: int | None, rope_extension: bool, trained_context: int
@@ -285,7 +303,7 @@ class InfiniteHiPConfig:
         return (
             f"preset={self.preset} sink={self.sink_tokens} window={self.window_tokens} "
             f"stages=[{stages}] refresh={list(self.refresh_intervals)} "
-            f"dense_threshold={self.effective_dense_threshold} probe={self.probe} "
+            f"dense_threshold={self.dense_threshold} probe={self.probe} "
             f"head_reduction={self.head_reduction} exact_last_stage={self.exact_last_stage} "
             f"drop_window_candidates={self.drop_window_candidates} "
             f"dense_layers={list(self.dense_layers)}->k={self.dense_layer_keep_tokens} "
@@ -334,9 +352,9 @@ class InfiniteHiPConfig:
                 kwargs[name] = _int(values[name], f"infinitehip.{name}", minimum=0)
         if "dense_threshold" in values:
             v = values["dense_threshold"]
-            kwargs["dense_threshold"] = (
-                None if v is None else _int(v, "infinitehip.dense_threshold", minimum=0)
-            )
+            if v is not None and v != "auto":
+                v = _int(v, "infinitehip.dense_threshold", minimum=0)
+            kwargs["dense_threshold"] = v
         if "probe" in values:
             probe = values["probe"]
             if probe not in PROBE_RULES:
@@ -351,6 +369,8 @@ class InfiniteHiPConfig:
                     f"`infinitehip.rope_extension`={v!r} must be true, false or \"auto\""
                 )
             kwargs["rope_extension"] = v
+        if values.get("tp_mask") == "global" and "head_reduction" not in values:
+            values["head_reduction"] = "max"  # the only ranking the TP collective combines
         for name, allowed in (
             ("rope_pruning", ROPE_PRUNING_STYLES),
             ("rope_bsa", ROPE_BSA_STYLES),
