@@ -2,7 +2,7 @@
 
 A prefill chunk's queries are cut into blocks of ``block_size_q`` from its first query
 (INFINITEHIP.md §1.1), and every block is pruned and attended on its own. To run the chunks of a
-step's requests in one launch, each block carries where it comes from: its request's
+step's requests in one launch, each block records where it comes from: its request's
 block-table row, the index of its first query in the step's query tensor, how many queries it
 holds, the first one's position, its request's length, and where its part of the chunk ends
 (the keys the part's attention may read).

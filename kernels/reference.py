@@ -232,7 +232,7 @@ def gather_paged_kv(
     dequantized after the bank/cache choice: ``float32(stored) * k_scale`` (``v_scale`` for V),
     as the kernels do on load, returned in ``out_dtype`` (default float32, the dtype the kernels
     hold dequantized rows in until their products). Other caches ignore the scales (vLLM's
-    layers carry scales of 1 whatever the cache dtype) and return the cache's dtype, or
+    layers hold scales of 1 whatever the cache dtype) and return the cache's dtype, or
     ``out_dtype`` when given.
     """
     fp8 = is_fp8_cache(kv_cache)

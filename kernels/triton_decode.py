@@ -394,7 +394,7 @@ def _decode_select_kernel(
         # cached at t turn by (j - q_pos) - t
         q_pos = tl.minimum(seq_len - 1, width + scan_window)
         base = offs_c - q_pos
-    else:  # relative: every probe key to position 0 (the queries carry the distances)
+    else:  # relative: every probe key to position 0 (the queries hold the distances)
         base = offs_c * 0
     # A row below the trained length scores the keys as cached against its true query
     # (place_queries leaves it unturned): no key turns.
