@@ -124,6 +124,27 @@ def assert_masks_equal(got: dec.DecodeMasks, want: dec.DecodeMasks, slots: list[
         assert torch.equal(got.final[s, :c].cpu(), want.final[s, :c].cpu())
 
 
+def masks_and_output(p: ref.PruneParams, q, cache, rows: dec.DecodeRows, scale: float):
+    """The reference's masks (a slot per row) and decode attention output for ``rows``."""
+    masks = dec.DecodeMasks.allocate(p, 64, rows.slots.shape[0], torch.device("cpu"))
+    dec.refresh_masks_reference(p, masks, q, cache, rows, scale)
+    out, _ = dec.attend_reference(p, masks, q, cache, rows, scale)
+    return masks, out
+
+
+def kernel_masks(params: ref.PruneParams, rope_style: str, q, cache, table, seq_lens, slots,
+                 levels, scale: float) -> tuple[dec.DecodeMasks, dec.DecodeRows]:
+    """The batched kernel cascade's masks (a slot per row) for ``rope_style``, and its rows."""
+    dev = torch.device(DEVICE)
+    got = dec.DecodeMasks.allocate(params, 64, len(slots), dev)
+    scores = dec.allocate_scores(dec.stage_widths(params, max(seq_lens) + 1000), len(slots),
+                                 dev)  # fmt: skip
+    placement = td.QueryPlacement.build(rope_style, params.rope.table, params.scan_window, dev)
+    rows = rows_on(DEVICE, table, seq_lens, slots, levels)
+    td.refresh_masks(params, got, q.to(dev), cache.to(dev), rows, scale, scores, placement)
+    return got, rows
+
+
 ROPE_STYLES = [None, "relative", "chunk-indexed"]
 
 
@@ -543,13 +564,9 @@ def test_rows_inside_the_trained_length_keep_true_positions(rope_style):
     scale = d**-0.5
     slots, levels = [0, 1, 2, 3, 4], [0] * 5
     rows_cpu = rows_on("cpu", table, seq_lens, slots, levels)
-    cpu = torch.device("cpu")
 
     def reference(p):
-        masks = dec.DecodeMasks.allocate(p, 64, 5, cpu)
-        dec.refresh_masks_reference(p, masks, q, cache, rows_cpu, scale)
-        out, _ = dec.attend_reference(p, masks, q, cache, rows_cpu, scale)
-        return masks, out
+        return masks_and_output(p, q, cache, rows_cpu, scale)
 
     want, want_out = reference(params)
     plain, plain_out = reference(small_params(None))
@@ -561,11 +578,7 @@ def test_rows_inside_the_trained_length_keep_true_positions(rope_style):
     assert torch.equal(want_out[past], remapped_out[past])
 
     dev = torch.device(DEVICE)
-    got = dec.DecodeMasks.allocate(params, 64, 5, dev)
-    scores = dec.allocate_scores(dec.stage_widths(params, 6000), 8, dev)
-    placement = td.QueryPlacement.build(rope_style, rope.table, params.scan_window, dev)
-    rows = rows_on(DEVICE, table, seq_lens, slots, levels)
-    td.refresh_masks(params, got, q.to(dev), cache.to(dev), rows, scale, scores, placement)
+    got, rows = kernel_masks(params, rope_style, q, cache, table, seq_lens, slots, levels, scale)
     assert_masks_equal(got, want, slots)
     out = triton_bsa.sparse_decode_attention(
         q.to(dev), cache.to(dev), rows.block_table, rows.seq_lens, got.final,
@@ -718,13 +731,9 @@ def test_remapped_pruning_below_the_trained_length_keeps_true_position_attention
     scale = d**-0.5
     slots, levels = [0, 1, 2], [0] * 3
     rows_cpu = rows_on("cpu", table, seq_lens, slots, levels)
-    cpu = torch.device("cpu")
 
     def reference(p):
-        masks = dec.DecodeMasks.allocate(p, 64, 3, cpu)
-        dec.refresh_masks_reference(p, masks, q, cache, rows_cpu, scale)
-        out, _ = dec.attend_reference(p, masks, q, cache, rows_cpu, scale)
-        return masks, out
+        return masks_and_output(p, q, cache, rows_cpu, scale)
 
     want, want_out = reference(params)
     remapped, _ = reference(small_params(remapping))  # every row pruned and attended remapped
@@ -736,10 +745,5 @@ def test_remapped_pruning_below_the_trained_length_keeps_true_position_attention
     true_out, _ = dec.attend_reference(true_pos, want, q, cache, rows_cpu, scale)
     assert torch.equal(want_out[below], true_out[below])
 
-    dev = torch.device(DEVICE)
-    got = dec.DecodeMasks.allocate(params, 64, 3, dev)
-    scores = dec.allocate_scores(dec.stage_widths(params, 3000), 4, dev)
-    placement = td.QueryPlacement.build(rope_style, rope.table, params.scan_window, dev)
-    rows = rows_on(DEVICE, table, seq_lens, slots, levels)
-    td.refresh_masks(params, got, q.to(dev), cache.to(dev), rows, scale, scores, placement)
+    got, _ = kernel_masks(params, rope_style, q, cache, table, seq_lens, slots, levels, scale)
     assert_masks_equal(got, want, slots)

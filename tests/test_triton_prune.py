@@ -267,13 +267,12 @@ def test_run_stages_paged_equals_reference(nq, probe, page):
     assert_same_resume(params, q, k, cache, block_table, pos, scale, want)
 
 
-@pytest.mark.parametrize("pruning", [None, "relative", "chunk-indexed"])
-def test_run_stages_paged_with_a_coarse_first_stage_equals_reference(pruning):
-    """Stage 0 over 32-query blocks, the later stages over 16 (neighbouring blocks share the
-    first stage's work): the kernel cascade hands the survivors down as the reference does,
-    with each RoPE style's per-block placement."""
-    t, nq, hq, hkv, d, page, scale = 700, 40, 4, 2, 32, 16, 0.18
-    gen = torch.Generator().manual_seed(17)
+def rotated_case(seed: int, pruning: str | None, t: int = 700, nq: int = 40):
+    """Random keys and the last ``nq`` queries of a ``t``-token request (4 query heads over 2 KV
+    heads, D = 32, pages of 16), rotated at their true positions with the RoPE plan of style
+    ``pruning`` (None: no rotation, no plan): ``k, q, pos, rope, cache, block_table``."""
+    hq, hkv, d = 4, 2, 32
+    gen = torch.Generator().manual_seed(seed)
     table = RopeTable.default(d, 10000.0)
     pos = torch.arange(t - nq, t)
     k = torch.randn(t, hkv, d, generator=gen)
@@ -282,7 +281,17 @@ def test_run_stages_paged_with_a_coarse_first_stage_equals_reference(pruning):
     if pruning is not None:
         k, q = rotate(k, torch.arange(t), table), rotate(q, pos, table)
         rope = ref.RopePlan(table, pruning, "streaming")
-    cache, block_table = paged_cache(k, page, gen)
+    cache, block_table = paged_cache(k, 16, gen)
+    return k, q, pos, rope, cache, block_table
+
+
+@pytest.mark.parametrize("pruning", [None, "relative", "chunk-indexed"])
+def test_run_stages_paged_with_a_coarse_first_stage_equals_reference(pruning):
+    """Stage 0 over 32-query blocks, the later stages over 16 (neighbouring blocks share the
+    first stage's work): the kernel cascade hands the survivors down as the reference does,
+    with each RoPE style's per-block placement."""
+    t, scale = 700, 0.18
+    k, q, pos, rope, cache, block_table = rotated_case(17, pruning)
     fine = small_params("midpoint").stages
     stages = (ref.StageParams(32, 256, 32, 8), *fine[1:])
     params = ref.PruneParams(16, 64, stages, "midpoint", rope)
@@ -797,17 +806,8 @@ def test_selection_rule_prefill_cascade_equals_reference_where_the_rule_decides(
 def test_all_selection_rules_prefill_cascade_equals_reference(pruning):
     import dataclasses
 
-    t, nq, hq, hkv, d, page, scale = 700, 40, 4, 2, 32, 16, 0.18
-    gen = torch.Generator().manual_seed(23)
-    table = RopeTable.default(d, 10000.0)
-    pos = torch.arange(t - nq, t)
-    k = torch.randn(t, hkv, d, generator=gen)
-    q = torch.randn(nq, hq, d, generator=gen)
-    rope = None
-    if pruning is not None:
-        k, q = rotate(k, torch.arange(t), table), rotate(q, pos, table)
-        rope = ref.RopePlan(table, pruning, "streaming")
-    cache, block_table = paged_cache(k, page, gen)
+    t, scale = 700, 0.18
+    k, q, pos, rope, cache, block_table = rotated_case(23, pruning)
     params = dataclasses.replace(small_params("midpoint"), rope=rope, head_reduction="z-score",
                                  exact_last_stage=True, drop_window_candidates=True)
     want = ref.run_stages(params, q, k, pos, scale)
