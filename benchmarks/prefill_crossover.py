@@ -10,7 +10,7 @@ FlashAttention on a GPU): ``dense`` (what chunks below ``prefill_dense_threshold
 ``prune`` then ``attend`` with the default config's per-layer parameters, with RoPE extension
 on (as the backend sets it for a model served past its trained length: the paper's pruning
 styles, streaming block-sparse attention) and off. Random keys; the cost does not depend on
-them. The GPU constant predates this script (README kernel table, 2026-11-30).
+them. The GPU constant predates this script (docs/results.md, attention kernels, 2026-11-30).
 
 Each layer kind (``dense_layers`` with their larger budget and chunk-indexed pruning, and the
 rest) is timed once and weighted by its count, so a row is one chunk of the whole model's

@@ -23,19 +23,17 @@ MAX_LEN=$((INPUT_LEN + OUTPUT_LEN + 1024))
 mkdir -p "$OUTDIR"
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 
-# The recommended 128K flags (README, "Serving"). The metrics connector moves no KV; drop it to
-# benchmark without it. expandable_segments would make vLLM refuse any KV connector.
+# The recommended 128K flags (docs/serving.md). With infinitehip the server exports its
+# vllm:infinitehip_* series on /metrics by itself (a KV connector that moves no KV).
 ATTN_BACKEND=${ATTN_BACKEND:-infinitehip}
-METRICS='{"kv_connector": "InfiniteHiPMetricsConnector", "kv_connector_module_path": "vllm_infinitehip.prometheus", "kv_role": "kv_both"}'
 HIP_ARGS=()
 if [ "$ATTN_BACKEND" = infinitehip ]; then
-  HIP_ARGS=(--additional-config "{\"infinitehip\": {\"preset\": \"$PRESET\"}}"
-            --kv-transfer-config "$METRICS")
+  HIP_ARGS=(--additional-config "{\"infinitehip\": {\"preset\": \"$PRESET\"}}")
 fi
 vllm serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
   --attention-backend "$ATTN_BACKEND" "${HIP_ARGS[@]}" \
   --max-model-len "$MAX_LEN" --kv-cache-dtype "$KV_DTYPE" \
-  --max-num-seqs 8 --max-num-batched-tokens 16384 \
+  --max-num-seqs 8 --max-num-batched-tokens 32768 \
   ${EXTRA_SERVE_ARGS:-} > "$OUTDIR/serve.log" 2>&1 &
 SERVER=$!
 trap 'kill "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null || true' EXIT

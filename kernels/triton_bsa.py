@@ -990,13 +990,13 @@ def _decode_tiling(block_d: int, rope: bool, rows_16bit: bool = True) -> tuple[i
     if block_d <= 128 and not rope and rows_16bit:
         # One 128-key tile per split: its K and V loads are all in flight at once, where two
         # 64-key tiles waited on each other's page lookups (H200, 512K, a 32-layer graph:
-        # 10.0 -> 7.0 us per layer; 8 warps 12.2 us; decode-breakdown-gpu-2026-12-02.json).
+        # 10.0 -> 7.0 us per layer; 8 warps 12.2 us; H200, 2026-12-02).
         return 128, 1, 4
     # A rotation keeps its pair halves and their cos/sin live, and rows loaded as float32 (an
     # fp8 cache's, dequantized; a float32 cache's) twice the registers: two tiles of 64 (32 with
     # a rotation or D > 128). With a rotation (H200, 128K, 32-layer graph) 32 and 64 keys per
     # tile tie (16.3 / 16.2 us per layer), one 128-key tile on 8 warps is slower (18.4;
-    # decode-breakdown-gpu-2026-12-02-ext.json). An fp8 cache and its float32 dequantization
+    # H200, 2026-12-02). An fp8 cache and its float32 dequantization
     # therefore tile alike, and give the same result.
     block_n = 32 if block_d > 128 or rope else 64
     return block_n, 2, 4 if block_d <= 128 else 8

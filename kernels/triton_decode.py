@@ -63,7 +63,7 @@ ROPE_NONE, ROPE_RELATIVE, ROPE_CHUNK_INDEXED = 0, 1, 2
 FUSED_TOP_MAX_CHUNKS = 2048
 # Query heads per SelectRep program (see the module docstring). 4 at 512K: stage 0's launch in
 # a full refresh 154 -> 193 us, a reuse step's three no-op launches 5.8 -> 4.1 us
-# (decode-breakdown-gpu-2026-12-02.json).
+# (H200, 2026-12-02).
 SELECT_HEADS = 1
 _ROPE_CODES = {"none": ROPE_NONE, "relative": ROPE_RELATIVE, "chunk-indexed": ROPE_CHUNK_INDEXED}
 

@@ -333,7 +333,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         past = self.config.spans_past_trained(trained) if extension else []
         if past:
             # SmolLM2 (trained 8K) at 32K-64K: 8 of 12 passkeys with the defaults, 0 of 12 with
-            # either budget raised past 8K (README, passkey-settings-gpu-2026-12-03)
+            # either budget raised past 8K (docs/results.md, passkey-settings-gpu-2026-12-03)
             logger.warning_once(
                 "InfiniteHiP: RoPE extension is on, and a query's reach exceeds the trained "
                 "length %d (%s): those layers see distances the model never saw. Lower "

@@ -65,8 +65,9 @@ ROPE_PRUNING_STYLES = ("paper", "relative", "chunk-indexed", "none")
 ROPE_BSA_STYLES = ("streaming", "none")
 SCORING_PRECISIONS = ("tf32", "fp32")
 TP_MASK_MODES = ("per-rank", "global")
-# H200, 2026-11-30 (README kernel table): one 32K-query prefill chunk of a Llama-3-8B layer took
-# 105 ms sparse and 105 ms with vLLM's FA3 at 128K context, 64 vs 14 ms at 32K.
+# H200, 2026-11-30 (docs/results.md, attention kernels): one 32K-query prefill chunk of a
+# Llama-3-8B layer took 105 ms sparse and 105 ms with vLLM's FA3 at 128K context, 64 vs 14 ms
+# at 32K.
 DENSE_PREFILL_CROSSOVER = 131072
 # H200, Llama-3-8B shapes, batch 1, through vLLM: sparse decode was 1.09x FLASH_ATTN at 32K
 # (2026-12-01), 1.35x at 64K and 1.73x at 128K (2026-12-05). At 32K it saves under a tenth of a
