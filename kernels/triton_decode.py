@@ -7,6 +7,9 @@ Per layer and stage, one launch serves all decode rows, whatever their refresh l
   of one KV group (scores max-reduced in registers); programs meet in an atomic max into
   ``scores[row, chunk]``. ``HEADS = 1``: each bisection step waits on its gathered keys, so more
   programs in flight beat sharing the group's first probes (the heads diverge after one step).
+  With ``head_reduction`` ``"z-score"`` a head's scores cannot be standardised before all its
+  chunks are scored, which many programs do: each program stores its head's scores in
+  ``scores[row, head, chunk]`` instead, and the top-k below ranks them.
 - :func:`_keep_top` keeps the row's top ``keep`` chunks by score, in position order, and splits
   them into the next stage's chunks (or, after the last stage, writes the final blocks) in the
   row's state slot. It resets the scores it read to -inf, so the scratch needs no clearing
@@ -549,9 +552,10 @@ def _keep_top(
     HEAD_SCORES: tl.constexpr,
 ):
     """Row ``b``'s top ``keep`` chunks by score, split into the next stage's input (or the
-    final blocks) of its slot; resets the scores it read to -inf. With ``HEAD_SCORES`` the
-    scores are per head (``[H_q, C]`` of the row, every listed entry written by this launch)
-    and rank by the max over heads of each head's z-score (:func:`reference.reduce_heads`)."""
+    final blocks) of its slot. The max-reduced scores it read are reset to -inf (the next
+    launch's atomic max starts there). With ``HEAD_SCORES`` the scores are per head (``[H_q, C]``
+    of the row, every listed entry written by this launch, so nothing is reset) and rank by the
+    max over heads of each head's z-score (:func:`reference.reduce_heads`)."""
     offs = tl.arange(0, BLOCK_C)
     in_c = offs < n_scores
     score_row = scores_ptr + b.to(tl.int64) * stride_sb
@@ -870,8 +874,8 @@ def refresh_masks(
     """Rerun every stage at or after each row's refresh level, from its stored input (§1.6).
 
     ``q`` is ``[B, H_q, D]`` (the decode queries, unscaled, rotated at their true positions;
-    with ``placement``, a row whose query sits below ``params.rope.trained_context`` is scored
-    at true positions, as without it, chosen on the device);
+    with ``placement``, a row whose query sits below ``params.prune_remap_from`` is scored at
+    true positions, as without it, chosen on the device);
     ``scores[i]`` is stage ``i``'s scratch, ``[>= B, >= W_i]`` float32 at -inf (left so), or,
     with ``params.head_reduction`` ``"z-score"``, ``[>= B, H_q, >= W_i]`` per-head scores
     (:func:`decode.allocate_scores`; any contents: each launch writes what it reads).
