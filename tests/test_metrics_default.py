@@ -97,3 +97,31 @@ def test_kv_offloading_keeps_vllms_connector(tiny_model, logged):
     enable_metrics_connector(args)
     assert args.kv_transfer_config is None
     assert "kv_offloading_size" in logged[0].getMessage()
+
+
+@pytest.mark.vllm
+def test_an_engine_after_one_with_the_metrics_connector_in_this_process_runs(tiny_model):
+    """An in-process engine with stats on installs the metrics connector, vLLM's process-wide
+    KV connector; dropped without a shutdown, it is left behind. The next engine built in this
+    process, with no connector of its own, still runs (vLLM's runner would assert connector
+    metadata on its first step) and gives the same tokens."""
+    import gc
+
+    from vllm import LLM, SamplingParams
+
+    from tests.conftest import ENGINE_KW, SMALL_HIP
+
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    kw = {**ENGINE_KW, "additional_config": {"infinitehip": SMALL_HIP}}
+    first = LLM(tiny_model, attention_backend="infinitehip", disable_log_stats=False, **kw)
+    assert is_metrics_connector(first.llm_engine.vllm_config.kv_transfer_config)
+    want = first.generate(["the pass key is"], greedy)[0].outputs[0].token_ids
+    del first
+    gc.collect()
+    second = LLM(tiny_model, attention_backend="infinitehip", **kw)  # stats off: no connector
+    try:
+        assert second.llm_engine.vllm_config.kv_transfer_config is None
+        assert second.generate(["the pass key is"], greedy)[0].outputs[0].token_ids == want
+    finally:
+        del second
+        gc.collect()

@@ -286,6 +286,7 @@ def extend_context_at_engine_args() -> None:
         return
 
     def create_model_config(self):
+        release_stale_metrics_connector()
         if _chose_infinitehip(self):
             _extend_context(self)
             enable_metrics_connector(self)
@@ -377,6 +378,29 @@ def enable_metrics_connector(args: Any) -> None:
     from vllm.config import KVTransferConfig
 
     args.kv_transfer_config = KVTransferConfig(**ours)
+
+
+def release_stale_metrics_connector() -> None:
+    """Drop the metrics connector an earlier engine of this process left installed.
+
+    vLLM keeps a worker's KV connector process-wide and removes it only when the worker shuts
+    down. An engine whose worker ran in this process (``LLM`` with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and was then dropped without a shutdown leaves ours
+    behind; the next engine built here, if its scheduler runs no connector, would fail on its
+    first step (vLLM's runner asserts connector metadata whenever a connector is installed).
+    Ours moves no KV, so dropping it loses nothing; any other connector is left alone.
+    """
+    from vllm.distributed.kv_transfer import (
+        ensure_kv_transfer_shutdown,
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
+
+    from vllm_infinitehip.prometheus import InfiniteHiPMetricsConnector
+
+    if has_kv_transfer_group() and isinstance(get_kv_transfer_group(),
+                                              InfiniteHiPMetricsConnector):  # fmt: skip
+        ensure_kv_transfer_shutdown()
 
 
 def _names_metrics_connector(transfer: Any) -> bool:
