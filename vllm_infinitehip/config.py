@@ -140,8 +140,8 @@ class InfiniteHiPConfig:
     - ``rope_extension``: remap RoPE positions (INFINITEHIP.md §2) so every distance a layer sees
       stays inside the trained range: ``"auto"`` (on when ``max_model_len`` exceeds
       ``trained_context``), ``true`` or ``false``. Only queries at or past ``trained_context``
-      are remapped (per decode row, per query block in prefill); the others keep their true
-      positions, as without extension.
+      attend remapped (per decode row, per query block in prefill); the others attend at their
+      true positions, as without extension, and are pruned as ``remap_pruning`` says.
     - ``rope_pruning``: RoPE style in the pruning stages when extending: ``"paper"`` (chunk-indexed
       in ``dense_layers``, relative elsewhere), ``"relative"``, ``"chunk-indexed"`` or ``"none"``.
     - ``rope_bsa``: RoPE style in block-sparse attention when extending: ``"streaming"``, ``"none"``.
