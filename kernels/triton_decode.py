@@ -365,6 +365,13 @@ def _decode_select_kernel(
         STAGE, CHUNK_SIZE,
     )  # fmt: skip
     if tile * BLOCK_CHUNK >= n_cand:
+        if HEAD_SCORES:  # the whole row is defined: a combine over ranks reads every entry
+            offs_t = tile * BLOCK_CHUNK + tl.arange(0, BLOCK_CHUNK)
+            for g in tl.static_range(HEADS):
+                tl.store(scores_ptr + b.to(tl.int64) * stride_sb
+                         + (head_block * HEADS + g) * stride_sh + offs_t,
+                         tl.full([BLOCK_CHUNK], float("-inf"), tl.float32),
+                         mask=offs_t < n_scores)  # fmt: skip
         if FUSE_TOP:
             if (n_cand == 0) & (tile == 0) & (head_block == 0):  # nothing scored: none arrive
                 _keep_top(
@@ -491,9 +498,10 @@ def _decode_select_kernel(
             row_hits += h3
             row_misses += m3
         if HEAD_SCORES:
-            # each head's own scores; the row's top-k program standardises them (z-score)
-            tl.store(scores_ptr + b.to(tl.int64) * stride_sb + head * stride_sh + offs_c, best,
-                     mask=listed)  # fmt: skip
+            # each head's own scores (-inf past the list); the row's top-k program, or a
+            # combine over TP ranks first, standardises them (z-score)
+            tl.store(scores_ptr + b.to(tl.int64) * stride_sb + head * stride_sh + offs_c,
+                     tl.where(listed, best, float("-inf")), mask=offs_c < n_scores)  # fmt: skip
         best_all = tl.maximum(best_all, best)
     if HAS_ROWS:
         tl.atomic_add(row_state_ptr + 2, row_hits.to(tl.int64), sem="relaxed")
@@ -912,10 +920,9 @@ def refresh_masks(
     per_head = params.head_reduction == "z-score"
     if params.head_reduction not in ("max", "z-score"):
         raise ValueError(f"head_reduction {params.head_reduction!r}: decode runs max or z-score")
-    if per_head and (reduce_scores is not None or scores[0].dim() != 3
-                     or scores[0].shape[1] != hq):
+    if per_head and (scores[0].dim() != 3 or scores[0].shape[1] != hq):
         raise ValueError("z-score ranking needs per-head scratch [rows, H_q, C] "
-                         "(decode.allocate_scores with heads) and no reduce_scores")
+                         "(decode.allocate_scores with heads)")
     hkv = kv_cache.shape[3]
     page_size = kv_cache.shape[2]
     trained = params.prune_remap_from  # rows from here on score at remapped positions
@@ -981,6 +988,12 @@ def refresh_masks(
             if fuse:
                 continue
             if reduce_scores is not None:  # (never under a gate: it allocates, and collectives)
+                if per_head:
+                    # each rank's heads standardised, then the max over every rank's: the
+                    # ranking of all heads at once (a row's entries are all written)
+                    ranked = ref.reduce_heads(scores[i][:batch], params.head_reduction)
+                    top_chunks(reduce_scores(ranked), rows, masks, params, i)
+                    continue
                 scores[i][:batch].copy_(reduce_scores(scores[i][:batch]))
             top_chunks(scores[i], rows, masks, params, i)
         if key_rows is not None:

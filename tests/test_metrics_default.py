@@ -34,7 +34,15 @@ def _args(tiny_model, **kw):
     return EngineArgs(model=tiny_model, attention_backend="infinitehip", max_model_len=4096, **kw)
 
 
-def test_a_server_engine_gets_the_metrics_connector_and_an_llm_engine_does_not(tiny_model):
+@pytest.fixture
+def own_process(monkeypatch):
+    """Engines as vllm serve builds them: the engine core in a process of its own (the tests'
+    own engines run in this process)."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+
+
+def test_a_server_engine_gets_the_metrics_connector_and_an_llm_engine_does_not(tiny_model,
+                                                                              own_process):
     from vllm.engine.arg_utils import EngineArgs
 
     cfg = _args(tiny_model).create_engine_config()  # vllm serve: stats logging on
@@ -75,7 +83,7 @@ def test_a_users_connector_stays_and_the_log_says_how_to_combine(tiny_model, log
 
 
 def test_where_vllm_refuses_a_connector_the_engine_starts_without_the_series(
-        tiny_model, logged, monkeypatch):  # fmt: skip
+        tiny_model, logged, monkeypatch, own_process):  # fmt: skip
     from vllm_infinitehip.compat import enable_metrics_connector
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -99,10 +107,21 @@ def test_kv_offloading_keeps_vllms_connector(tiny_model, logged):
     assert "kv_offloading_size" in logged[0].getMessage()
 
 
+def test_an_engine_in_this_process_gets_no_connector_and_the_log_says_how(tiny_model, logged):
+    """vLLM keeps a worker's KV connector process-wide until an explicit shutdown, so an engine
+    whose worker runs in this process is left without one; the log gives the flag."""
+    from vllm_infinitehip.compat import enable_metrics_connector
+
+    args = _args(tiny_model)
+    enable_metrics_connector(args)
+    assert args.kv_transfer_config is None
+    assert "--kv-transfer-config" in logged[0].getMessage()
+
+
 @pytest.mark.vllm
 def test_an_engine_after_one_with_the_metrics_connector_in_this_process_runs(tiny_model):
-    """An in-process engine with stats on installs the metrics connector, vLLM's process-wide
-    KV connector; dropped without a shutdown, it is left behind. The next engine built in this
+    """An in-process engine given the metrics connector installs it as vLLM's process-wide KV
+    connector; dropped without a shutdown, it is left behind. The next engine built in this
     process, with no connector of its own, still runs (vLLM's runner would assert connector
     metadata on its first step) and gives the same tokens."""
     import gc
@@ -111,9 +130,12 @@ def test_an_engine_after_one_with_the_metrics_connector_in_this_process_runs(tin
 
     from tests.conftest import ENGINE_KW, SMALL_HIP
 
+    from vllm_infinitehip.prometheus import metrics_connector_config
+
     greedy = SamplingParams(temperature=0, max_tokens=6)
     kw = {**ENGINE_KW, "additional_config": {"infinitehip": SMALL_HIP}}
-    first = LLM(tiny_model, attention_backend="infinitehip", disable_log_stats=False, **kw)
+    first = LLM(tiny_model, attention_backend="infinitehip", disable_log_stats=False,
+                kv_transfer_config=metrics_connector_config(), **kw)  # fmt: skip
     assert is_metrics_connector(first.llm_engine.vllm_config.kv_transfer_config)
     want = first.generate(["the pass key is"], greedy)[0].outputs[0].token_ids
     del first

@@ -375,6 +375,17 @@ def enable_metrics_connector(args: Any) -> None:
         logger.warning("The vllm:infinitehip_* series are off: %s. The engine starts "
                        "without them", refused)  # fmt: skip
         return
+    import vllm.envs as envs
+
+    if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+        # The engine's worker runs in this process, and vLLM keeps a worker's KV connector
+        # process-wide until an explicit shutdown: it would outlive an engine that is just
+        # dropped and break another one of this process (release_stale_metrics_connector covers
+        # only engines built after it). Servers run their engine core in a process of its own.
+        logger.info("The vllm:infinitehip_* series are off for an engine in this process "
+                    "(VLLM_ENABLE_V1_MULTIPROCESSING=0); --kv-transfer-config '%s' turns them "
+                    "on", json.dumps(ours))  # fmt: skip
+        return
     from vllm.config import KVTransferConfig
 
     args.kv_transfer_config = KVTransferConfig(**ours)

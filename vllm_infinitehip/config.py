@@ -127,10 +127,9 @@ class InfiniteHiPConfig:
     - ``probe``: SelectRep probe rule, ``midpoint`` (code, default) or ``first`` (paper).
     - ``head_reduction``: how a stage's per-head chunk scores become the layer's one ranking:
       ``"max"`` of the raw scores over heads (the paper's), or ``"z-score"``: each head's scores
-      standardised over the row's candidates first, then the max (default; ``"max"`` with
-      ``tp_mask: "global"``, whose collective combines raw maxima). On models whose q/k biases
-      or delimiter tokens give a few heads large logits everywhere (Qwen2), the raw max lets
-      those heads decide every ranking and outvote the head that reads a needle.
+      standardised over the row's candidates first, then the max (default). On models whose
+      q/k biases or delimiter tokens give a few heads large logits everywhere (Qwen2), the raw
+      max lets those heads decide every ranking and outvote the head that reads a needle.
     - ``exact_last_stage``: the last stage scores each chunk by its best key (every key of a
       ``block_size_k`` chunk loaded: 8 loads against bisection's 6) instead of bisecting. A
       needle is often one sharp key, which bisection can step past.
@@ -370,8 +369,6 @@ class InfiniteHiPConfig:
                     f"`infinitehip.rope_extension`={v!r} must be true, false or \"auto\""
                 )
             kwargs["rope_extension"] = v
-        if values.get("tp_mask") == "global" and "head_reduction" not in values:
-            values["head_reduction"] = "max"  # the only ranking the TP collective combines
         for name, allowed in (
             ("rope_pruning", ROPE_PRUNING_STYLES),
             ("rope_bsa", ROPE_BSA_STYLES),
@@ -509,13 +506,6 @@ class InfiniteHiPConfig:
                         f"`infinitehip.stages[{i - 1}].block_size_q`={prev.block_size_q}: a "
                         f"stage's query blocks split into the next stage's"
                     )
-        if self.head_reduction != "max" and self.tp_mask == "global":
-            # decode ranks a stage's per-head scores inside its top-k program, so there is no
-            # point between the heads' scores and the top-k where ranks could combine them
-            raise InfiniteHiPConfigError(
-                f"`infinitehip.head_reduction`={self.head_reduction!r} needs "
-                f"`infinitehip.tp_mask`=\"per-rank\" (\"global\" combines raw maxima only)"
-            )
         first = self.stages[0].chunk_size
         if self.window_tokens < first:
             raise InfiniteHiPConfigError(
