@@ -672,10 +672,14 @@ def test_selection_rule_kernels_equal_reference_where_the_rule_decides(rule):
 
 
 @pytest.mark.slow  # long under the Triton interpreter
-@pytest.mark.parametrize("rope_style", ROPE_STYLES)
-def test_all_selection_rules_cascade_equals_reference_at_mixed_levels(rope_style):
+@pytest.mark.parametrize(("rope_style", "combined"),
+                         [(style, False) for style in ROPE_STYLES] + [(None, True)])
+def test_all_selection_rules_cascade_equals_reference_at_mixed_levels(rope_style, combined):
     """z-score ranking, exact last stage and the window check together, on random keys, with
-    every RoPE style and rows resuming at every level, fused top-k and not."""
+    every RoPE style and rows resuming at every level, fused top-k and not. ``combined``: each
+    stage's ranking after a combine over the TP group (``tp_mask: "global"``: each rank's heads
+    standardised, then the max over all ranks'; here the identity, one rank), on scratch that
+    held other scores, so every entry the ranking reads must be written by the launch."""
     gen = torch.Generator().manual_seed(11)
     hq, hkv, d, page = 4, 2, 32, 16
     rope = rope_plan(rope_style, d)
@@ -688,54 +692,30 @@ def test_all_selection_rules_cascade_equals_reference_at_mixed_levels(rope_style
     want = dec.DecodeMasks.allocate(params, 64, 3, torch.device("cpu"))
     got = dec.DecodeMasks.allocate(params, 64, 3, torch.device(DEVICE))
     scores = dec.allocate_scores(dec.stage_widths(params, 3000), 4, torch.device(DEVICE), hq)
-    placement = None
-    if rope is not None:
-        placement = td.QueryPlacement.build(rope_style, rope.table, params.scan_window,
-                                            torch.device(DEVICE))  # fmt: skip
-    for levels, fuse in (([0, 0, 0], True), ([1, 2, 0], False), ([2, 1, 1], True)):
-        dec.refresh_masks_reference(params, want, q, cache,
-                                    rows_on("cpu", table, seq_lens, slots, levels), scale)
-        td.refresh_masks(params, got, q.to(DEVICE), cache.to(DEVICE),
-                         rows_on(DEVICE, table, seq_lens, slots, levels), scale, scores,
-                         placement, fuse_top=fuse)  # fmt: skip
-        assert_masks_equal(got, want, slots)
-        q = torch.randn(q.shape, generator=gen)
-
-
-def test_z_score_ranking_combined_over_ranks_equals_reference():
-    """``tp_mask: "global"`` ranks a stage after a combine over the TP group: each rank's heads
-    standardised, then the max over all ranks' (here the identity: one rank, so the result must
-    be the single-process ranking). Rows at every level, some reusing; scratch that held other
-    scores before, so every entry the ranking reads must be written by the launch."""
-    gen = torch.Generator().manual_seed(13)
-    hq, hkv, d, page = 4, 2, 32, 16
-    params = dataclasses.replace(small_params(), head_reduction="z-score",
-                                 exact_last_stage=True, drop_window_candidates=True)
-    seq_lens = [1500, 2900, 700]
-    cache, table, q = batch(seq_lens, hq, hkv, d, page, gen)
-    scale = d**-0.5
-    slots = [2, 0, 1]
-    want = dec.DecodeMasks.allocate(params, 64, 3, torch.device("cpu"))
-    got = dec.DecodeMasks.allocate(params, 64, 3, torch.device(DEVICE))
-    scores = dec.allocate_scores(dec.stage_widths(params, 3000), 4, torch.device(DEVICE), hq)
-    for s in scores:  # stale values where no launch of this test wrote
-        s.copy_(torch.randn(s.shape, generator=gen).to(s.device))
     calls = []
 
     def combine(x: torch.Tensor) -> torch.Tensor:
         calls.append(x.shape)
         return x.clone()
 
-    for levels in ([0, 0, 0], [1, 2, 0], [2, 3, 1]):
+    reduce = combine if combined else None
+    if combined:
+        for s in scores:  # stale values where no launch of this test wrote
+            s.copy_(torch.randn(s.shape, generator=gen).to(s.device))
+    placement = None
+    if rope is not None:
+        placement = td.QueryPlacement.build(rope_style, rope.table, params.scan_window,
+                                            torch.device(DEVICE))  # fmt: skip
+    for levels, fuse in (([0, 0, 0], True), ([1, 2, 0], False), ([2, 1, 1], True)):
         dec.refresh_masks_reference(params, want, q, cache,
                                     rows_on("cpu", table, seq_lens, slots, levels), scale,
-                                    reduce_scores=combine)  # fmt: skip
+                                    reduce_scores=reduce)  # fmt: skip
         td.refresh_masks(params, got, q.to(DEVICE), cache.to(DEVICE),
                          rows_on(DEVICE, table, seq_lens, slots, levels), scale, scores,
-                         reduce_scores=combine)  # fmt: skip
+                         placement, fuse_top=fuse, reduce_scores=reduce)  # fmt: skip
         assert_masks_equal(got, want, slots)
         q = torch.randn(q.shape, generator=gen)
-    assert calls
+    assert bool(calls) == combined
 
 
 def test_z_score_ranking_refuses_max_reduced_scratch():
