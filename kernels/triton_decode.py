@@ -350,6 +350,7 @@ def _decode_select_kernel(
     EXACT: tl.constexpr,
     HEAD_SCORES: tl.constexpr,
     DROP_WINDOW: tl.constexpr,
+    SCORE_WHOLE_ROW: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -365,7 +366,7 @@ def _decode_select_kernel(
         STAGE, CHUNK_SIZE,
     )  # fmt: skip
     if tile * BLOCK_CHUNK >= n_cand:
-        if HEAD_SCORES:  # the whole row is defined: a combine over ranks reads every entry
+        if SCORE_WHOLE_ROW:  # a combine over TP ranks reads every entry of the row
             offs_t = tile * BLOCK_CHUNK + tl.arange(0, BLOCK_CHUNK)
             for g in tl.static_range(HEADS):
                 tl.store(scores_ptr + b.to(tl.int64) * stride_sb
@@ -979,6 +980,7 @@ def refresh_masks(
                 GROUP=hq // hkv, HEADS=heads, PAGE_SIZE=page_size,
                 EXACT=params.exact_last_stage and i == len(params.stages) - 1,
                 DROP_WINDOW=params.drop_window_candidates,
+                SCORE_WHOLE_ROW=per_head and reduce_scores is not None,
                 N_ITERS=ref.bisect_steps(st.chunk_size), MIDPOINT=params.probe == "midpoint",
                 LO_BITS=LO_BITS, BLOCK_CHUNK=block_chunk, BLOCK_D=block_d,
                 HAS_BANK=bank is not None, HAS_ROWS=key_rows is not None, KV_FP8=kv_fp8,

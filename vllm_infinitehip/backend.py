@@ -347,18 +347,16 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             for name, p in params.items()
         }
         any_params = next(iter(params.values()))
-        score_heads = None
-        if self.config.head_reduction == "z-score":  # per-head scores until the row ranks them
-            score_heads = vllm_config.model_config.get_num_attention_heads(
-                vllm_config.parallel_config)
+        model = vllm_config.model_config
+        heads = model.get_num_attention_heads(vllm_config.parallel_config)
+        # z-score ranking keeps each head's scores until the row's top-k standardises them
+        score_heads = heads if self.config.head_reduction == "z-score" else None
         scores = dec.allocate_scores(dec.stage_widths(any_params, max_len), max_rows, device,
                                      score_heads)  # fmt: skip
         workspace = arrivals = queries = None
         if device.type == "cuda":
             from vllm_infinitehip.kernels.triton_bsa import decode_workspace_floats
 
-            model = vllm_config.model_config
-            heads = model.get_num_attention_heads(vllm_config.parallel_config)
             max_keys = (self.config.sink_tokens + self.config.window_tokens
                         + final_keep)  # a row's keys: sink, window, final blocks
             n = decode_workspace_floats(max_rows, heads, model.get_head_size(), max_keys,

@@ -8,8 +8,8 @@ to the connector class's ``build_prom_metrics`` object in the frontend (``KVConn
 Ray's metric wrappers under Ray). ``vllm.stat_logger_plugins`` loggers see only scheduler-side
 stats, so they cannot reach the workers' counters. This module is a connector that moves no KV
 at all: it only reports. The plugin turns it on by itself wherever infinitehip serves with stats
-logging on and no KV connector is configured (``compat.enable_metrics_connector``; ``vllm
-serve``'s default), as if the user had passed::
+logging on, no KV connector configured and the engine core in a process of its own
+(``compat.enable_metrics_connector``; ``vllm serve``'s default), as if the user had passed::
 
     --kv-transfer-config '{"kv_connector": "InfiniteHiPMetricsConnector",
                            "kv_connector_module_path": "vllm_infinitehip.prometheus",
