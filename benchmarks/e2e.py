@@ -64,14 +64,16 @@ DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B"
 
 
 ENGINE_MODIFIERS = ("ext", "vllm-scheduler", "mp", "qb128", "qb256", "tp2", "ray", "rules",
-                    "paper")
+                    "paper", "extend")
 # ``+rules``: the selection rules that are not the paper's (z-score head ranking, exact last
 # stage, window candidates dropped at every stage, pruning remapped below the trained length:
 # the defaults); ``+paper``: the paper's (and this plugin's before them)
 SELECTION_RULES = {"rules": dict(head_reduction="z-score", exact_last_stage=True,
                                  drop_window_candidates=True, remap_pruning="always"),
                    "paper": dict(head_reduction="max", exact_last_stage=False,
-                                 drop_window_candidates=False, remap_pruning="past-trained")}
+                                 drop_window_candidates=False, remap_pruning="past-trained"),
+                   # reused decode blocks read past their end (not a default: its cost is here)
+                   "extend": dict(extend_reused_blocks=True)}
 
 
 def engine_parts(name: str) -> tuple[str, set[str]]:
@@ -91,7 +93,8 @@ def engine_spec(name: str, max_len: int, trained: int | None = None) -> dict:
     default; it is read in ``run_engine``, before vLLM is imported. ``+qb128`` / ``+qb256``: the
     first pruning stage scores query blocks of 128 / 256 queries (16 pooled each), the later
     stages 64 (neighbouring blocks share the first stage's prefill work). ``+rules`` /
-    ``+paper``: the selection rules set one way or the other (:data:`SELECTION_RULES`). ``+tp2`` (also on
+    ``+paper``: the selection rules set one way or the other, ``+extend``: reused decode
+    blocks read past their end (:data:`SELECTION_RULES`). ``+tp2`` (also on
     ``flash_attn``): tensor parallelism over two GPUs, with vLLM's ``mp`` executor, or with
     ``+ray`` its Ray executor (``--distributed-executor-backend ray``, a local Ray cluster)."""
     kw = dict(load_format="dummy", dtype="bfloat16", max_model_len=max_len,

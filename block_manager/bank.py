@@ -43,10 +43,14 @@ def decode_read_pages(
     block_table: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
     final_starts: torch.Tensor, final_counts: torch.Tensor, sink_tokens: int, window_tokens: int,
     page_size: int,
+    block_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[L, B, P]`` page ids each layer's attention reads for a sparse decode row, most
     valuable first: sink, window (newest first: it is read until the window passes it), final
     blocks (``final_starts [L, slots, W]`` token starts, ``final_counts [L, slots]`` valid).
+    ``block_ends`` (``[B]``, blocks read past their start's page: ``PruneParams``'
+    ``extend_reused_blocks``): per row, how many tokens each block is read from its start;
+    the page of each block's last token is listed after the starts' (``P`` grows by ``W``).
     -1 padding; repeats possible. Rows without a state slot (dense) read nothing here."""
     device = block_table.device
     b, max_pages = block_table.shape
@@ -54,7 +58,11 @@ def decode_read_pages(
     seq_lens = seq_lens.long()
     row_slot = slots.long().clamp(min=0)
     valid_final = torch.arange(width, device=device) < final_counts[:, row_slot].unsqueeze(2)
-    final_idx = torch.where(valid_final, final_starts[:, row_slot].long() // page_size, -1)
+    starts = final_starts[:, row_slot].long()
+    final_idx = torch.where(valid_final, starts // page_size, -1)
+    if block_ends is not None:
+        last_tok = starts + block_ends.long().view(1, b, 1) - 1
+        final_idx = torch.cat([final_idx, torch.where(valid_final, last_tok // page_size, -1)], 2)
     sink_n = -(-sink_tokens // page_size)
     sink_idx = torch.arange(sink_n, device=device).expand(b, sink_n)
     win_n = -(-window_tokens // page_size) + 1

@@ -74,6 +74,17 @@ class DecodeRows:
     seq_lens: torch.Tensor  # int32; the row's query sits at seq_len - 1
     slots: torch.Tensor  # int32 state slot; -1: a dense row (short context, or padding)
     levels: torch.Tensor  # int32 first stage to rerun; N: reuse the mask; -1: no sparse work
+    # int32 decode steps since the row's final blocks were chosen (0 on a refresh); None: 0
+    stale_steps: torch.Tensor | None = None
+
+
+def block_extension(params: ref.PruneParams, rows: DecodeRows) -> torch.Tensor | None:
+    """Per row, the tokens each selected block is read past its end
+    (``PruneParams.extend_reused_blocks``): the steps since the blocks were chosen, at most
+    ``block_size_k``; None when blocks are read as chosen."""
+    if not params.extend_reused_blocks or rows.stale_steps is None:
+        return None
+    return rows.stale_steps.clamp(max=params.block_size_k)
 
 
 def stage_widths(params: ref.PruneParams, max_seq_len: int) -> list[int]:
@@ -161,11 +172,12 @@ def attend_reference(
     v_scale: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Decode attention of every row: dense for rows without a slot, block-sparse over the
-    slot's final blocks otherwise. Returns ``[B, H_q, D]`` and the (query, key) pairs the
+    slot's final blocks otherwise (read past their ends by :func:`block_extension`). Returns ``[B, H_q, D]`` and the (query, key) pairs the
     sparse rows attended. ``bank``: read through the host tier's GPU cache, as the kernels do;
     ``k_scale`` / ``v_scale`` dequantize an fp8 cache (:func:`reference.gather_paged_kv`)."""
     out = torch.zeros_like(q)
     attended = 0
+    extension = block_extension(params, rows)
     for b, (slot, seq_len) in enumerate(zip(rows.slots.tolist(), rows.seq_lens.tolist())):
         if seq_len <= 0:
             continue
@@ -176,7 +188,8 @@ def attend_reference(
             out[b : b + 1] = ref.dense_attention(q[b : b + 1], k, v, pos, scale)
             continue
         o, _, pairs = ref.sparse_attention(
-            params, q[b : b + 1], k, v, pos, scale, prune=masks.prune_result(slot)
+            params, q[b : b + 1], k, v, pos, scale, prune=masks.prune_result(slot),
+            extend_blocks=0 if extension is None else int(extension[b]),
         )
         out[b : b + 1] = o
         attended += pairs

@@ -312,6 +312,7 @@ class TritonOps:
             rope=params.rope.table if streaming else None, row_slots=rows.slots, stats=pairs,
             workspace=scratch.workspace, bank=scratch.bank, k_scale=k_scale, v_scale=v_scale,
             trained_context=params.remap_from,
+            stale_steps=rows.stale_steps if params.extend_reused_blocks else None,
         )  # fmt: skip
 
 

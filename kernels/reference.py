@@ -102,6 +102,9 @@ class PruneParams:
     exact_last_stage: bool = False
     # Stages after the first drop candidates that start inside the window (:func:`run_stages`).
     drop_window_candidates: bool = False
+    # Decode reads each selected block as many tokens past its end as steps have passed since
+    # it was chosen, at most one block more (:func:`sparse_attention`'s ``extend_blocks``).
+    extend_reused_blocks: bool = False
 
     @property
     def block_size_q(self) -> int:
@@ -812,15 +815,17 @@ def sparse_key_mask(
     q_positions: torch.Tensor,
     block_starts: torch.Tensor,
     block_valid: torch.Tensor,
+    extend_blocks: int = 0,
 ) -> torch.Tensor:
     """``[Nq, T]`` bool: the keys each query attends to in block-sparse attention (§1.7).
 
     The union of the sink ``[0, n_sink)``, the query's window ``(p - n_stream, p]`` and its
-    block's selected blocks; causal; a key in two sources counts once.
+    block's selected blocks, each ``extend_blocks`` tokens longer than ``block_size_k``;
+    causal; a key in two sources counts once.
     """
     device = q_positions.device
     nq = q_positions.shape[0]
-    bk = params.block_size_k
+    bk = params.block_size_k + extend_blocks
     n_blocks = block_starts.shape[0]
     selected = torch.zeros(n_blocks, seq_len + bk, dtype=torch.bool, device=device)
     if block_starts.numel():
@@ -956,8 +961,14 @@ def sparse_attention(
     scale: float,
     prune: PruneResult | None = None,
     query_group: int = 256,
+    extend_blocks: int = 0,
 ) -> tuple[torch.Tensor, PruneResult, int]:
     """Prune (unless ``prune`` is given), then block-sparse attention for one request.
+
+    ``extend_blocks``: every selected block is read that many tokens past its end (a decode
+    mask reused ``extend_blocks`` steps after it was chosen, with
+    ``PruneParams.extend_reused_blocks``: a copy walking through the text it found keeps
+    reading the next tokens until the mask is refreshed).
 
     Returns the output ``[Nq, Hq, D]``, the pruning result and the number of (query, key)
     pairs attended, for the counters. Queries are processed ``query_group`` at a time (a whole
@@ -973,16 +984,17 @@ def sparse_attention(
     if rope is not None and rope.bsa == "streaming":
         remapped = rope.remaps(block_last_pos(q_positions, params.block_size_q))
         if bool(remapped.all()):
-            out, attended = _streaming_attention(params, q, k, v, q_positions, scale, prune)
+            out, attended = _streaming_attention(params, q, k, v, q_positions, scale, prune,
+                                                 extend_blocks=extend_blocks)  # fmt: skip
             return out, prune, attended
     out, per_query = _true_position_attention(params, q, k, v, q_positions, scale, prune,
-                                              query_group)  # fmt: skip
+                                              query_group, extend_blocks)  # fmt: skip
     if remapped is None or not bool(remapped.any()):
         return out, prune, int(per_query.sum())
     # blocks on both sides of the trained length: each block takes its own path's result
     row_remapped = remapped[query_block_ids(q.shape[0], params.block_size_q).to(q.device)]
     streamed, attended = _streaming_attention(params, q, k, v, q_positions, scale, prune,
-                                              remapped)  # fmt: skip
+                                              remapped, extend_blocks)  # fmt: skip
     out = torch.where(row_remapped.view(-1, 1, 1), streamed, out)
     return out, prune, attended + int(per_query[~row_remapped].sum())
 
@@ -996,6 +1008,7 @@ def _true_position_attention(
     scale: float,
     prune: PruneResult,
     query_group: int,
+    extend_blocks: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention over :func:`sparse_key_mask` at true positions: the output and
     the keys each query attended."""
@@ -1012,6 +1025,7 @@ def _true_position_attention(
             q_positions[lo:hi],
             prune.block_starts[b_lo:b_hi],
             prune.block_valid[b_lo:b_hi],
+            extend_blocks,
         )
         per_query[lo:hi] = mask.sum(1)
         cols = mask.any(0).nonzero().squeeze(1)
@@ -1028,6 +1042,7 @@ def _streaming_attention(
     scale: float,
     prune: PruneResult,
     blocks: torch.Tensor | None = None,
+    extend_blocks: int = 0,
 ) -> tuple[torch.Tensor, int]:
     """Block-sparse attention with StreamingLLM-style positions (§2), per query block.
 
@@ -1045,7 +1060,7 @@ def _streaming_attention(
     out = torch.empty_like(q)
     attended = 0
     sink = torch.arange(min(params.sink_tokens, seq_len), device=k.device)
-    offs = torch.arange(bk, device=k.device)
+    offs = torch.arange(bk + extend_blocks, device=k.device)
     for b in range(prune.block_starts.shape[0]):
         if blocks is not None and not bool(blocks[b]):
             continue

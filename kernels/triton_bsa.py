@@ -298,6 +298,7 @@ def _decode_split_kernel(
     starts_ptr,
     nvalid_ptr,
     slot_ptr,
+    stale_ptr,
     stats_ptr,
     part_o_ptr,
     part_lse_ptr,
@@ -332,6 +333,7 @@ def _decode_split_kernel(
     HAS_SLOTS: tl.constexpr,
     HAS_STATS: tl.constexpr,
     HAS_BANK: tl.constexpr,
+    EXTEND: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -383,7 +385,13 @@ def _decode_split_kernel(
     n_sw = sink_len + tl.maximum(seq_len - win_lo, 0)
     n_valid = tl.load(nvalid_ptr + mask_row * stride_nv).to(tl.int32)
     n_valid = tl.where(dense, 0, n_valid)
-    total = n_sw + n_valid * BLOCK_K
+    # Tokens read per selected block: BLOCK_K, or with EXTEND that many more as the row's
+    # blocks age (decode steps since they were chosen, at most BLOCK_K), so a copy that walks
+    # past a block's end between refreshes keeps reading the tokens it copies next.
+    block_len = BLOCK_K
+    if EXTEND:
+        block_len = BLOCK_K + tl.minimum(tl.load(stale_ptr + b).to(tl.int32), BLOCK_K)
+    total = n_sw + n_valid * block_len
     if HAS_STATS:
         # budget pairs and context pairs of the sparse rows, once per row
         if (kv_head == 0) & (split == 0) & (~dense) & (seq_len > 0):
@@ -414,7 +422,7 @@ def _decode_split_kernel(
                                 BLOCK_F, BLOCK_P)  # fmt: skip
         # Streaming position of far-key slot j (sink tokens, then selected tokens):
         # max(0, j + first), so the last slot lands at p - n_stream (rope.streaming_positions).
-        first = pos - window_tokens - sink_tokens - n_valid * BLOCK_K + 1
+        first = pos - window_tokens - sink_tokens - n_valid * block_len + 1
         sel_slot0 = tl.minimum(sink_tokens, seq_len)  # slots of the sink tokens that exist
 
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -427,12 +435,12 @@ def _decode_split_kernel(
         in_sw = vi < n_sw
         t_sw = tl.where(vi < sink_len, vi, win_lo + (vi - sink_len))
         vs = tl.where(in_sw, 0, vi - n_sw)  # kept >= 0: integer division of negatives differs
-        blk = vs // BLOCK_K
+        blk = vs // block_len
         sel = live & ~in_sw
         start = tl.load(starts_row + blk * stride_sk, mask=sel, other=0).to(tl.int32)
         prev = tl.load(starts_row + (blk - 1) * stride_sk, mask=sel & (blk > 0), other=0)
-        prev_end = tl.where(blk > 0, prev.to(tl.int32) + BLOCK_K, 0)
-        t_sel = start + vs % BLOCK_K
+        prev_end = tl.where(blk > 0, prev.to(tl.int32) + block_len, 0)
+        t_sel = start + vs % block_len
         # t_sel < win_lo also keeps it causal and out of the sink-covered prefix.
         sel_ok = sel & (t_sel >= sink_tokens) & (t_sel < win_lo) & (t_sel >= prev_end)
         if STREAMING:
@@ -1053,6 +1061,7 @@ def sparse_decode_attention(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     trained_context: int = 0,
+    stale_steps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block-sparse attention of one decode query per request; returns ``[B, Hq, D]`` in q's dtype.
 
@@ -1094,6 +1103,11 @@ def sparse_decode_attention(
     device tensors of one value; read on the device, so graph-capturable): every K and V row is
     dequantized on load as ``float32(x) * scale``, the result then equals the above on the
     dequantized cache. Other caches ignore the scales.
+
+    ``stale_steps`` (int32 ``[B]``, per row, not per slot): row ``b`` reads each selected block
+    ``min(stale_steps[b], block_size_k)`` tokens past its end, as
+    ``reference.sparse_attention(..., extend_blocks=...)`` does (the decode steps since the
+    row's blocks were chosen, :func:`vllm_infinitehip.state.stale_steps`).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
@@ -1108,7 +1122,8 @@ def sparse_decode_attention(
     rows_16bit = kv_cache.element_size() == 2 and not kv_fp8
     block_n, tiles, num_warps = _decode_tiling(block_d, rope is not None, rows_16bit)
     if num_splits is None:
-        max_keys = sink_tokens + window_tokens + k_max * block_size_k
+        reach = block_size_k * (1 if stale_steps is None else 2)
+        max_keys = sink_tokens + window_tokens + k_max * reach
         num_splits = _default_num_splits(max_keys, block_n * tiles)
     if out is None:
         out = torch.empty_like(q)
@@ -1122,13 +1137,14 @@ def sparse_decode_attention(
     block_h = max(16, triton.next_power_of_2(group))
     _decode_split_kernel[(batch, hkv, num_splits)](
         q, kv_cache, block_table, seq_lens, block_starts, num_valid_blocks,
-        seq_lens if row_slots is None else row_slots, seq_lens if stats is None else stats,
+        seq_lens if row_slots is None else row_slots,
+        seq_lens if stale_steps is None else stale_steps, seq_lens if stats is None else stats,
         part_o, part_lse, hi_t, lo_t, bank_pages, bank_table, bank_pages.stride(0), k_sc, v_sc,
         *q.stride(), *kv_cache.stride(),
         *block_table.stride(), *block_starts.stride(), num_valid_blocks.stride(0),
         sink_tokens, window_tokens, trained_context, qk_scale, cap_log2e, inv_cap_scale, bias,
         n_hi, HAS_SLOTS=row_slots is not None, HAS_STATS=stats is not None,
-        HAS_BANK=bank is not None,
+        HAS_BANK=bank is not None, EXTEND=stale_steps is not None,
         NUM_HEADS=hq, GROUP=group, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         USE_SOFT_CAP=logit_soft_cap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),

@@ -37,6 +37,7 @@ def _assign_slots_kernel(
     out_slot_ptr,
     out_level_ptr,
     out_seq_len_ptr,
+    out_stale_ptr,
     rows,
     num_slots,
     threshold,
@@ -91,18 +92,23 @@ def _assign_slots_kernel(
         new_lens = tl.where(here, sl, new_lens)
         new_steps = tl.where(here, step, new_steps)
         # refresh level (state.refresh_level): the first stage whose interval divides the step
+        # and the steps since the final blocks were chosen (state.stale_steps)
         level = N_STAGES
+        stale = step
         for j in tl.static_range(N_STAGES):
             i = N_STAGES - 1 - j
             interval = tl.load(intervals_ptr + i)
             level = tl.where(step % interval == 0, i, level)
+            stale = tl.minimum(stale, step % interval)
         level = tl.where(step == 0, 0, level)
         level = tl.where(slot >= 0, level, -1)
+        stale = tl.where(slot >= 0, stale, 0)
         counts += (offs_l == tl.where(level >= 0, level, N_STAGES + 1)).to(tl.int64)
         refreshing = refreshing | ((level >= 0) & (level < N_STAGES)).to(tl.int32)
         tl.store(out_slot_ptr + r, slot)
         tl.store(out_level_ptr + r, level)
         tl.store(out_seq_len_ptr + r, sl)
+        tl.store(out_stale_ptr + r, stale)
 
     tl.store(key_ptr + offs, new_keys, mask=valid)
     tl.store(len_ptr + offs, new_lens, mask=valid)
@@ -127,6 +133,7 @@ def assign_slots(
     out_slots: torch.Tensor,
     out_levels: torch.Tensor,
     out_seq_lens: torch.Tensor,
+    out_stale_steps: torch.Tensor,
 ) -> None:
     """One launch of the matching; see :meth:`state.DecodeSlots.assign` for the contract.
 
@@ -138,7 +145,8 @@ def assign_slots(
     n_stages = intervals.shape[0]
     _assign_slots_kernel[(1,)](
         block_table, seq_lens, key_block, slot_seq_len, slot_step, intervals, level_counts,
-        refreshing.view(torch.uint8), out_slots, out_levels, out_seq_lens, rows, num_slots,
+        refreshing.view(torch.uint8), out_slots, out_levels, out_seq_lens, out_stale_steps, rows,
+        num_slots,
         threshold, block_size,
         *block_table.stride(), N_STAGES=n_stages, BLOCK_S=triton.next_power_of_2(num_slots),
         BLOCK_L=triton.next_power_of_2(n_stages + 2), num_warps=4,

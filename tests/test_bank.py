@@ -56,7 +56,9 @@ def paged(seq_lens: list[int], extra: int, gen: torch.Generator):
     return cache, table
 
 
-def test_decode_read_pages_are_sink_window_and_final_blocks():
+@pytest.mark.parametrize("extend", [None, [3, 8, 1]], ids=["as-chosen", "read-past-the-end"])
+def test_decode_read_pages_are_sink_window_and_final_blocks(extend):
+    """With ``block_ends`` (blocks reused past their end) the pages of the extra tokens too."""
     gen = torch.Generator().manual_seed(3)
     params = small_params()
     seq_lens = [700, 1100, 50]
@@ -65,14 +67,15 @@ def test_decode_read_pages_are_sink_window_and_final_blocks():
     counts = torch.tensor([8, 5, 0], dtype=torch.int32)
     slots = torch.tensor([1, 0, -1], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
+    ends = None if extend is None else torch.tensor(extend, dtype=torch.int32) + 8
     got = decode_read_pages(table, lens, slots, final[None], counts[None], params.sink_tokens,
-                            params.window_tokens, PAGE)[0]  # fmt: skip
+                            params.window_tokens, PAGE, ends)[0]  # fmt: skip
     for b, (t, s) in enumerate(zip(seq_lens, slots.tolist())):
         want = set()
         if s >= 0:
             keys = set(range(params.sink_tokens)) | set(range(t - params.window_tokens, t))
             for start in final[s, : int(counts[s])].tolist():
-                keys |= set(range(start, start + 8))
+                keys |= set(range(start, start + (8 if ends is None else int(ends[b]))))
             want = {int(table[b, k // PAGE]) for k in keys}
         assert {p for p in got[b].tolist() if p >= 0} == want, b
 

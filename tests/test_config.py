@@ -74,11 +74,12 @@ def test_negative_dense_layers_count_from_the_last_layer():
 def test_selection_rules_parse_and_reach_the_layers():
     from vllm_infinitehip.backend import layer_prune_params
 
-    raw = {"head_reduction": "z-score", "exact_last_stage": True, "drop_window_candidates": True}
+    raw = {"head_reduction": "z-score", "exact_last_stage": True, "drop_window_candidates": True,
+           "extend_reused_blocks": True}
     c = InfiniteHiPConfig.from_user(raw)
     p = layer_prune_params(c, 5)
-    assert (p.head_reduction, p.exact_last_stage, p.drop_window_candidates) == (
-        "z-score", True, True)
+    assert (p.head_reduction, p.exact_last_stage, p.drop_window_candidates,
+            p.extend_reused_blocks) == ("z-score", True, True, True)
     assert InfiniteHiPConfig.from_user(c.to_dict()) == c
 
 
@@ -116,6 +117,7 @@ def test_selection_rules_parse_and_reach_the_layers():
         ({"head_reduction": "mean"}, "infinitehip.head_reduction"),
         ({"exact_last_stage": "yes"}, "infinitehip.exact_last_stage"),
         ({"drop_window_candidates": 0}, "infinitehip.drop_window_candidates"),
+        ({"extend_reused_blocks": "on"}, "infinitehip.extend_reused_blocks"),
         ({"remap_pruning": "never"}, "infinitehip.remap_pruning"),
         ("{not json", "not valid JSON"),
     ],

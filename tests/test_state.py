@@ -2,7 +2,7 @@
 
 import torch
 
-from vllm_infinitehip.state import DecodeSlots, refresh_level, refresh_levels
+from vllm_infinitehip.state import DecodeSlots, refresh_level, refresh_levels, stale_steps
 
 INTERVALS = (8, 4, 2)
 
@@ -25,6 +25,21 @@ def test_refresh_schedule_matches_intervals():
     assert sum(1 for x in levels[:192] if x <= 2) == 24
     steps = torch.arange(200, dtype=torch.int32)
     assert refresh_levels(steps, intervals).tolist() == levels
+
+
+def test_stale_steps_count_back_to_the_last_refresh_of_any_level():
+    """Against a walk of the schedule: the steps since a level other than reuse last came, for
+    nested intervals and for intervals that do not divide each other."""
+    for intervals in ((32, 16, 8), (10, 7, 3), (5, 5, 5)):
+        n = len(intervals)
+        last, want = 0, []
+        for s in range(300):
+            if refresh_level(s, intervals) < n:
+                last = s
+            want.append(s - last)
+        got = stale_steps(torch.arange(300, dtype=torch.int32), intervals).tolist()
+        assert got == want, intervals
+        assert max(want) == min(intervals) - 1
 
 
 def table(rows: list[list[int]]) -> torch.Tensor:

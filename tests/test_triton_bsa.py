@@ -329,6 +329,56 @@ def test_decode_streaming_matches_reference(name, poisoned_workspace):
     assert moved > 1e-2, "the positions must matter in this case"
 
 
+@pytest.mark.parametrize("rope", [None, NEOX64], ids=["true-positions", "streaming"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "overlapping"])
+def test_decode_reads_reused_blocks_past_their_end(rope, aligned, poisoned_workspace):
+    """``stale_steps``: each row reads its blocks ``min(stale, bk)`` tokens longer, as the
+    reference's ``extend_blocks``; at true positions also against an independent mask that
+    lists every read token as a one-token block."""
+    hq, hkv, d, page, bk, sink, window = 8, 2, 64, 16, 8, 16, 48
+    gen = torch.Generator().manual_seed(7 + aligned)
+    seq_lens = [700, 20, 333, 900]
+    stale = [3, 5, 0, 20]  # the last is capped at bk
+    k_max = 16
+    kv, table = paged_cache(seq_lens, page, hkv, d, torch.float32, gen)
+    rows = [random_starts(s, k_max, n, bk, aligned, gen) for s, n in zip(seq_lens, [10, 4, 6, 16])]
+    starts = torch.stack([r[0] for r in rows]).to(DEVICE)
+    n_valid = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(DEVICE)
+    scale = d**-0.5
+    out = torch.full_like(q, float("nan"))
+    tb.sparse_decode_attention(
+        q, kv, table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), starts, n_valid,
+        block_size_k=bk, sink_tokens=sink, window_tokens=window, scale=scale, out=out,
+        rope=rope, stale_steps=torch.tensor(stale, dtype=torch.int32, device=DEVICE),
+    )  # fmt: skip
+    assert bool(torch.isfinite(out).all()), "every output element is written"
+    plan = None if rope is None else ref.RopePlan(rope, "none", "streaming")
+    params = ref.PruneParams(sink, window, (ref.StageParams(bk, 0, 1, 1),), rope=plan)
+    changed = 0.0
+    for b, s in enumerate(seq_lens):
+        k, v = ref.gather_paged_kv(kv, table[b], s)
+        pos = torch.tensor([s - 1], device=DEVICE)
+        n = int(n_valid[b])
+        prune = ref.PruneResult(starts[b : b + 1, :n].long(), torch.ones(1, n, dtype=torch.bool,
+                                device=DEVICE), [])  # fmt: skip
+        extend = min(stale[b], bk)
+        want, _, _ = ref.sparse_attention(params, q[b : b + 1], k, v, pos, scale, prune=prune,
+                                          extend_blocks=extend)  # fmt: skip
+        torch.testing.assert_close(out[b : b + 1], want, rtol=1e-4, atol=1e-4)
+        as_read, _, _ = ref.sparse_attention(params, q[b : b + 1], k, v, pos, scale, prune=prune)
+        changed = max(changed, float((as_read - want).abs().max()))
+        if rope is None:  # every read token as its own block, deduplicated
+            tokens = sorted({t for st in prune.block_starts[0].tolist()
+                             for t in range(st, st + bk + extend)})  # fmt: skip
+            one = ref.PruneParams(sink, window, (ref.StageParams(1, 0, 1, 1),))
+            tok = torch.tensor(tokens, dtype=torch.long, device=DEVICE).view(1, -1)
+            mask = ref.sparse_key_mask(one, s, pos, tok, torch.ones_like(tok, dtype=torch.bool))
+            torch.testing.assert_close(want, ref.masked_attention(q[b : b + 1], k, v, mask, scale),
+                                       rtol=1e-5, atol=1e-5)  # fmt: skip
+    assert changed > 1e-3, "the extension must change what some row reads"
+
+
 STREAMING_PREFILL_CASES = {
     # name: (hq, hkv, d, page, bk, bq, nq, seq_len, sink, window, aligned, dtype, rope)
     "mha-d64-chunked": (4, 4, 64, 16, 8, 16, 64, 700, 16, 64, True, torch.float32, NEOX64),

@@ -105,10 +105,11 @@ def batch(seq_lens: list[int], hq: int, hkv: int, d: int, page: int, gen: torch.
     return cache, table, q
 
 
-def rows_on(device, table, seq_lens, slots, levels) -> dec.DecodeRows:
+def rows_on(device, table, seq_lens, slots, levels, stale=None) -> dec.DecodeRows:
     i32 = dict(dtype=torch.int32, device=device)
     return dec.DecodeRows(table.to(device), torch.tensor(seq_lens, **i32),
-                          torch.tensor(slots, **i32), torch.tensor(levels, **i32))  # fmt: skip
+                          torch.tensor(slots, **i32), torch.tensor(levels, **i32),
+                          None if stale is None else torch.tensor(stale, **i32))  # fmt: skip
 
 
 def assert_masks_equal(got: dec.DecodeMasks, want: dec.DecodeMasks, slots: list[int]) -> None:
@@ -222,32 +223,38 @@ def test_top_chunks_breaks_ties_to_the_earlier_chunk_and_keeps_position_order():
     assert torch.isneginf(scores).all()
 
 
+@pytest.mark.parametrize("extend", [False, True], ids=["as-chosen", "reused-past-the-end"])
 @pytest.mark.parametrize("streaming", [False, True])
-def test_decode_attention_through_slots_equals_reference(streaming):
+def test_decode_attention_through_slots_equals_reference(streaming, extend):
+    """With ``extend_reused_blocks`` the rows' blocks are read past their end by their own
+    stale steps (the second row's past the cap of one block)."""
     gen = torch.Generator().manual_seed(11 + streaming)
     hq, hkv, d, page = 4, 2, 32, 16
     rope = ref.RopePlan(RopeTable.default(d), pruning="relative", bsa="streaming")
     params = small_params(rope if streaming else None)
+    params = dataclasses.replace(params, extend_reused_blocks=extend)
     seq_lens = [1500, 90, 2900, 0]  # a dense row and a padding row
     cache, table, q = batch([max(t, 1) for t in seq_lens], hq, hkv, d, page, gen)
-    slots, levels = [1, -1, 0, -1], [0, -1, 0, -1]
+    slots, levels, stale = [1, -1, 0, -1], [0, -1, 0, -1], [3, 0, 11, 0]
     masks = dec.DecodeMasks.allocate(params, 64, 2, torch.device("cpu"))
-    rows_cpu = rows_on("cpu", table, seq_lens, slots, levels)
+    rows_cpu = rows_on("cpu", table, seq_lens, slots, levels, stale)
     dec.refresh_masks_reference(params, masks, q, cache, rows_cpu, d**-0.5)
     want, _ = dec.attend_reference(params, masks, q, cache, rows_cpu, d**-0.5)
     dev = torch.device(DEVICE)
-    rows = rows_on(DEVICE, table, seq_lens, slots, levels)
+    rows = rows_on(DEVICE, table, seq_lens, slots, levels, stale)
     stats = torch.zeros(2, dtype=torch.int64, device=dev)
     got = triton_bsa.sparse_decode_attention(
         q.to(dev), cache.to(dev), rows.block_table, rows.seq_lens, masks.final.to(dev),
         masks.final_counts().to(dev), block_size_k=params.block_size_k,
         sink_tokens=params.sink_tokens, window_tokens=params.window_tokens, scale=d**-0.5,
         rope=rope.table if streaming else None, row_slots=rows.slots, stats=stats,
+        stale_steps=rows.stale_steps if extend else None,
     )  # fmt: skip
     torch.testing.assert_close(got.cpu(), want, rtol=2e-4, atol=2e-5)
     assert torch.equal(got[3].cpu(), torch.zeros(hq, d))
-    # budget count of the two sparse rows: sink + window + final blocks each; context pairs
-    budget = 2 * (16 + 128 + 64)
+    # budget count of the two sparse rows: sink + window + final blocks each (8 blocks, read
+    # 3 and 8 tokens longer with the extension); context pairs
+    budget = 2 * (16 + 128 + 64) + (8 * (3 + 8) if extend else 0)
     assert stats.tolist() == [budget, 1500 + 2900]
 
 

@@ -85,7 +85,7 @@ class Traffic:
 
 def _kernel_assign(slots: DecodeSlots, table: torch.Tensor, lens: torch.Tensor):
     b = lens.shape[0]
-    out = [torch.full((b + 2,), 99, dtype=torch.int32, device=DEVICE) for _ in range(3)]
+    out = [torch.full((b + 2,), 99, dtype=torch.int32, device=DEVICE) for _ in range(4)]
     triton_slots.assign_slots(
         table.to(DEVICE), lens.to(DEVICE), THRESHOLD, BLOCK, slots.key_block, slots.seq_len,
         slots.step, slots._intervals_dev, slots.level_counts, slots.refreshing,
@@ -101,16 +101,22 @@ def test_kernel_matches_the_pytorch_spec_on_random_traffic(seed):
     traffic = Traffic(rng)
     spec = DecodeSlots(5, INTERVALS, torch.device("cpu"))
     kern = DecodeSlots(5, INTERVALS, DEVICE)
-    seen_levels, seen_flags = set(), set()
+    seen_levels, seen_flags, seen_stale = set(), set(), set()
     for _ in range(40):
         table, lens = traffic.step()
         if lens.numel() == 0:
             continue
-        want_slots, want_levels = spec.assign(table, lens, THRESHOLD, BLOCK)
-        got_slots, got_levels, got_lens = _kernel_assign(kern, table, lens)
+        want = [torch.zeros(lens.shape[0], dtype=torch.int32) for _ in range(4)]
+        want_slots, want_levels = spec.assign(table, lens, THRESHOLD, BLOCK, out=want)
+        got_slots, got_levels, got_lens, got_stale = _kernel_assign(kern, table, lens)
         assert got_slots.tolist() == want_slots.tolist()
         assert got_levels.tolist() == want_levels.tolist()
         assert got_lens.tolist() == lens.tolist()
+        assert got_stale.tolist() == want[3].tolist()
+        # a refreshing row's blocks are this step's; a reusing row's are older
+        assert all((st == 0) == (0 <= lv < len(INTERVALS))
+                   for st, lv in zip(got_stale.tolist(), want_levels.tolist()) if lv >= 0)
+        seen_stale.update(got_stale.tolist())
         refreshing = any(0 <= lv < len(INTERVALS) for lv in want_levels.tolist())
         assert bool(spec.refreshing) == refreshing
         assert bool(kern.refreshing.cpu()) == refreshing
@@ -124,6 +130,7 @@ def test_kernel_matches_the_pytorch_spec_on_random_traffic(seed):
     # the traffic exercised every level, rows without a slot, and slot overflow
     assert seen_levels >= {-1, 0, 1, 2, 3}
     assert seen_flags == {False, True}  # steps where no row refreshes, and steps where one does
+    assert seen_stale == {0, 1}  # blocks of this step and of the step before (interval 2)
 
 
 def _table(rows):
@@ -141,7 +148,7 @@ def test_kernel_matches_the_spec_when_rows_claim_one_slot(num_slots):
     for rows, lens in steps:
         table, lens = _table(rows), torch.tensor(lens, dtype=torch.int32)
         want_slots, want_levels = spec.assign(table, lens, THRESHOLD, BLOCK)
-        got_slots, got_levels, _ = _kernel_assign(kern, table, lens)
+        got_slots, got_levels, _, _ = _kernel_assign(kern, table, lens)
         assert got_slots.tolist() == want_slots.tolist()
         assert got_levels.tolist() == want_levels.tolist()
         assert bool(kern.refreshing.cpu()) == bool(spec.refreshing)

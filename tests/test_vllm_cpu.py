@@ -139,6 +139,26 @@ def test_requests_at_mixed_refresh_levels_equal_each_alone(hip_llm):
     assert together == [greedy(hip_llm, [p], 16)[0] for p in prompts]
 
 
+def test_reused_blocks_read_past_their_end_through_vllm(tiny_model, tmp_path):
+    """``extend_reused_blocks`` through vLLM: a batch equals each prompt alone, and the run
+    differs from the same engine without it (tokens or attended pairs: the builder hands each
+    row's stale steps to attention)."""
+    prompts = [long_prompt(1500, "rho"), long_prompt(2100, "sigma")]
+    runs = {}
+    for extend in (False, True):
+        hip = {**SMALL_HIP, "extend_reused_blocks": extend}
+        spec = {"engine": {**ENGINE_KW, "additional_config": {"infinitehip": hip}},
+                "prompts": prompts, "max_tokens": 12, "report": True,
+                "batch_then_alone": True}  # fmt: skip
+        runs[extend] = generate_in_subprocess(tiny_model, "infinitehip", spec, tmp_path,
+                                              f"extend-{extend}")  # fmt: skip
+    on, off = runs[True], runs[False]
+    assert on["tokens"][:2] == on["tokens"][2:]
+    assert on["report"]["stats"]["sparse_decode_queries"] == 2 * 2 * 2 * 11  # batch and alone
+    pairs = lambda run: run["report"]["stats"]["sparse_attended_pairs"]
+    assert (on["tokens"], pairs(on)) != (off["tokens"], pairs(off))
+
+
 def live_slots(llm) -> int:
     return stats(llm, reset=False)["live_slots"]
 

@@ -81,6 +81,7 @@ def layer_prune_params(
         head_reduction=config.head_reduction,
         exact_last_stage=config.exact_last_stage,
         drop_window_candidates=config.drop_window_candidates,
+        extend_reused_blocks=config.extend_reused_blocks,
     )
 
 
@@ -383,6 +384,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         self._row_slots = torch.full((max_rows,), -1, **i32)
         self._row_levels = torch.full((max_rows,), -1, **i32)
         self._row_seq_lens = torch.zeros(max_rows, **i32)
+        self._row_stale = torch.zeros(max_rows, **i32)
         logger.info_once("InfiniteHiP config: %s", self.config.summary())
 
     def _setup_tier(
@@ -407,8 +409,10 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         self._n_stages = n_stages
         page = spec.block_size
         per_row = -(-params.sink_tokens // page) + (-(-params.window_tokens // page) + 1)
-        per_row += self._final_all.shape[2]
+        # blocks read past their end may reach the next page: one more page per block
+        per_row += self._final_all.shape[2] * (2 if params.extend_reused_blocks else 1)
         self._tier_pages_per_row = per_row
+        self._tier_block_len = params.block_size_k if params.extend_reused_blocks else None
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         plan.bank.allocate_plan(vllm_config.scheduler_config.max_num_seqs * per_row, max_tokens)
         if plan.key_rows is not None:
@@ -431,9 +435,14 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         if num_decodes:
             slots = self._row_slots[:num_decodes]
             levels = self._row_levels[:num_decodes]
+            block_ends = None
+            if self._tier_block_len is not None:  # as dec.block_extension
+                block_ends = self._tier_block_len + self._row_stale[:num_decodes].clamp(
+                    max=self._tier_block_len)
             pages = decode_read_pages(
                 m.block_table_tensor[:num_decodes], self._row_seq_lens[:num_decodes], slots,
                 self._final_all, self._counts_all[:, :, -1], *self._tier_window, self.block_size,
+                block_ends,
             )  # fmt: skip
             # a row at level 0 is new (its slot's masks are a former owner's) or reruns every
             # stage; the others' masks are the last step's, exactly what they will read
@@ -487,11 +496,11 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             block_table = m.block_table_tensor[:num_decodes]
             slots.assign(
                 block_table, seq_lens, self.threshold, self.block_size,
-                out=(self._row_slots, self._row_levels, self._row_seq_lens),
+                out=(self._row_slots, self._row_levels, self._row_seq_lens, self._row_stale),
             )  # fmt: skip
             decode = dec.DecodeRows(
                 block_table, self._row_seq_lens[:num_decodes], self._row_slots[:num_decodes],
-                self._row_levels[:num_decodes],
+                self._row_levels[:num_decodes], self._row_stale[:num_decodes],
             )  # fmt: skip
         elif not capture:
             slots.release_all()

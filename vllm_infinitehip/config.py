@@ -136,6 +136,12 @@ class InfiniteHiPConfig:
     - ``drop_window_candidates``: every stage after the first drops candidates that start
       inside the query's sliding window (they would spend the budget on keys the window
       attends anyway); the first stage always does.
+    - ``extend_reused_blocks``: on the decode steps between two refreshes of the last stage,
+      each selected block is read as many tokens past its end as steps have passed since it
+      was chosen (at most ``block_size_k`` more). A multi-token copy (a UUID, a line of code)
+      walks one token per step out of the block that held its source; this keeps the next
+      tokens in view until the mask is refreshed, at the cost of reading up to twice the
+      selected keys.
     - ``rope_extension``: remap RoPE positions (INFINITEHIP.md §2) so every distance a layer sees
       stays inside the trained range: ``"auto"`` (on when ``max_model_len`` exceeds
       ``trained_context``), ``true`` or ``false``. Only queries at or past ``trained_context``
@@ -188,6 +194,7 @@ class InfiniteHiPConfig:
     head_reduction: str = "z-score"
     exact_last_stage: bool = True
     drop_window_candidates: bool = True
+    extend_reused_blocks: bool = False
     prefill_tail_window: int | str | None = "auto"
     prefill_final_query_own_mask: bool = False
     rope_extension: bool | str = "auto"
@@ -306,6 +313,7 @@ class InfiniteHiPConfig:
             f"dense_threshold={self.dense_threshold} probe={self.probe} "
             f"head_reduction={self.head_reduction} exact_last_stage={self.exact_last_stage} "
             f"drop_window_candidates={self.drop_window_candidates} "
+            f"extend_reused_blocks={self.extend_reused_blocks} "
             f"dense_layers={list(self.dense_layers)}->k={self.dense_layer_keep_tokens} "
             f"prefill_tail_window={self.prefill_tail_window} "
             f"prefill_final_query_own_mask={self.prefill_final_query_own_mask} "
@@ -398,7 +406,7 @@ class InfiniteHiPConfig:
                 v = _int(v, "infinitehip.prefill_tail_window", minimum=0)
             kwargs["prefill_tail_window"] = v
         for name in ("prefill_final_query_own_mask", "exact_last_stage",
-                     "drop_window_candidates"):
+                     "drop_window_candidates", "extend_reused_blocks"):
             if name in values:
                 v = values[name]
                 if not isinstance(v, bool):

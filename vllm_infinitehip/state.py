@@ -49,6 +49,16 @@ def refresh_levels(steps: torch.Tensor, intervals: tuple[int, ...]) -> torch.Ten
     return torch.where(steps == 0, 0, level)
 
 
+def stale_steps(steps: torch.Tensor, intervals: tuple[int, ...]) -> torch.Tensor:
+    """Decode steps since each entry's final blocks were last chosen: every refresh, whatever
+    its level, reruns the last stage, and step 0 refreshes everything, so this is the smallest
+    ``step % interval`` (no stage's interval need divide another's)."""
+    stale = steps.clone()
+    for interval in intervals:
+        stale = torch.minimum(stale, steps % interval)
+    return stale
+
+
 class DecodeSlots:
     """Which running request owns which state slot, and its decode step; all on one device.
 
@@ -83,31 +93,32 @@ class DecodeSlots:
         seq_lens: torch.Tensor,
         threshold: int,
         block_size: int,
-        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots and refresh levels of this step's decode rows; frees every slot not kept.
 
         ``block_table`` ``[B, P]`` and ``seq_lens`` ``[B]`` (int32) are device tensors; rows
         longer than ``threshold`` decode sparsely and get slots. Returns int32 ``slots`` (-1: no
         slot) and ``levels`` (``LEVEL_NONE`` for rows without a slot). ``out``: int32 buffers
-        ``(slots, levels, seq_lens)`` of at least ``B`` entries that receive the rows' slots,
-        levels and lengths (the builder's persistent per-row buffers, which captured graphs
-        read); the returned tensors are then views of them. :attr:`refreshing` becomes whether
+        ``(slots, levels, seq_lens, stale_steps)`` of at least ``B`` entries that receive the
+        rows' slots, levels, lengths and the decode steps since each row's final blocks were
+        chosen (:func:`stale_steps`; 0 without a slot) (the builder's persistent per-row
+        buffers, which captured graphs read); the returned tensors are views of the first two. :attr:`refreshing` becomes whether
         any row reruns a stage. On CUDA this is one Triton launch (:mod:`kernels.triton_slots`);
         elsewhere the PyTorch ops below, its spec.
         """
         batch = seq_lens.shape[0]
         if out is None:
             out = tuple(torch.empty(batch, dtype=torch.int32, device=seq_lens.device)
-                        for _ in range(3))  # fmt: skip
-        out_slots, out_levels, out_seq_lens = (o[:batch] for o in out)
+                        for _ in range(4))  # fmt: skip
+        out_slots, out_levels, out_seq_lens, out_stale = (o[:batch] for o in out)
         if seq_lens.is_cuda:
             from vllm_infinitehip.kernels.triton_slots import assign_slots
 
             assign_slots(
                 block_table, seq_lens, threshold, block_size, self.key_block, self.seq_len,
                 self.step, self._intervals_dev, self.level_counts, self.refreshing, out_slots,
-                out_levels, out_seq_lens,
+                out_levels, out_seq_lens, out_stale,
             )  # fmt: skip
             return out_slots, out_levels
         slots, levels = self._assign_reference(block_table, seq_lens, seq_lens > threshold,
@@ -115,6 +126,8 @@ class DecodeSlots:
         out_slots.copy_(slots)
         out_levels.copy_(levels)
         out_seq_lens.copy_(seq_lens)
+        steps = self.step[slots.long().clamp(min=0)]
+        out_stale.copy_(torch.where(slots >= 0, stale_steps(steps, self.intervals), 0))
         return out_slots, out_levels
 
     def _assign_reference(
