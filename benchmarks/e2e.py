@@ -66,13 +66,14 @@ DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B"
 ENGINE_MODIFIERS = ("ext", "vllm-scheduler", "mp", "qb128", "qb256", "tp2", "ray", "rules",
                     "paper", "extend")
 # ``+rules``: the selection rules that are not the paper's (z-score head ranking, exact last
-# stage, window candidates dropped at every stage, pruning remapped below the trained length:
-# the defaults); ``+paper``: the paper's (and this plugin's before them)
+# stage, window candidates dropped at every stage, pruning remapped below the trained length);
+# ``+paper``: the paper's (and this plugin's before them); ``+extend``: reused decode blocks
+# read past their end. The defaults are ``+rules+extend``; ``+paper`` or ``+rules`` without
+# ``+extend`` read blocks as chosen.
 SELECTION_RULES = {"rules": dict(head_reduction="z-score", exact_last_stage=True,
                                  drop_window_candidates=True, remap_pruning="always"),
                    "paper": dict(head_reduction="max", exact_last_stage=False,
                                  drop_window_candidates=False, remap_pruning="past-trained"),
-                   # reused decode blocks read past their end (not a default: its cost is here)
                    "extend": dict(extend_reused_blocks=True)}
 
 
@@ -110,6 +111,8 @@ def engine_spec(name: str, max_len: int, trained: int | None = None) -> dict:
     hip = {"preset": preset, "rope_extension": "ext" in mods}
     for mod in mods & set(SELECTION_RULES):
         hip.update(SELECTION_RULES[mod])
+    if mods & {"paper", "rules"}:  # named rules read blocks as chosen unless +extend
+        hip["extend_reused_blocks"] = "extend" in mods
     if "ext" in mods:
         if trained is None:
             raise SystemExit(f"{name!r}: +ext needs the model's trained length")

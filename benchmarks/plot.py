@@ -62,19 +62,22 @@ def plot_passkey(result: dict, out: Path) -> None:
     panels = []
     for model in models:
         mine = [r for r in result["rows"] if r["model"] == model]
-        hip = sorted({r["config"] for r in mine if r.get("config")}, key=lambda c: (c != "{}", c))
-        rows = [r for r in mine if r.get("config", "") in ("", *hip[:1])]
+        # infinitehip's settings: the newest measured, then the one at the most cells
+        hip = Counter(r["config"] for r in mine if r.get("config"))
+        newest = {c: max(r.get("date", "") for r in mine if r.get("config") == c) for c in hip}
+        config = max(hip, key=lambda c: (newest[c], hip[c]), default="")
+        rows = [r for r in mine if r.get("config", "") in ("", config)]
         # one panel per backend: its execution path with the most cells (a spot check of the
         # other path, e.g. by --ops compare, stays in the JSON)
         cells = Counter((r["backend"], r.get("ops", "")) for r in rows)
         shown = sorted(max((k for k in cells if k[0] == b), key=cells.get)
                        for b in {b for b, _ in cells})
         rows = [r for r in rows if (r["backend"], r.get("ops", "")) in shown]
-        panels.append((model, rows, shown))
-    ncols = max(len(backends) for _, _, backends in panels)
+        panels.append((model, rows, shown, config))
+    ncols = max(len(backends) for _, _, backends, _ in panels)
     fig, axes = plt.subplots(len(panels), ncols, figsize=(4.5 * ncols, 4.0 * len(panels)),
                              squeeze=False, gridspec_kw={"hspace": 0.45, "wspace": 0.3})
-    for ax_row, (model, rows, backends) in zip(axes, panels):
+    for ax_row, (model, rows, backends, config) in zip(axes, panels):
         lengths = sorted({r["context"] for r in rows})
         depths = sorted({r["depth"] for r in rows})
         for ax in ax_row[len(backends):]:
@@ -93,7 +96,8 @@ def plot_passkey(result: dict, out: Path) -> None:
                             va="center", fontsize=8)
             ax.set(xlabel="context", ylabel="needle depth")
             label = f"{backend} ({ops} path)" if ops else backend
-            settings = ", ".join(f"{k}={v}" for k, v in json.loads(config).items()) if config else ""
+            settings = ", ".join(f"{k}={v}" for k, v in json.loads(config).items()
+                                 if backend == "infinitehip") if config else ""
             ax.set_title(f"{model} (trained {rows[0]['trained_context'] // 1024}K)\n{label}"
                          + (f"\n{textwrap.fill(settings, 48)}" if settings else ""), fontsize=8)
         fig.colorbar(im, ax=ax_row.tolist(), shrink=0.8, label="passkey accuracy")

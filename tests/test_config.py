@@ -14,8 +14,8 @@ def test_default_is_3k_fast_with_code_defaults():
     ]
     assert c.refresh_intervals == (32, 16, 8)
     assert c.effective_dense_threshold == 256 + 1024 + 2048
-    assert (c.head_reduction, c.exact_last_stage, c.drop_window_candidates) == (
-        "z-score", True, True)
+    assert (c.head_reduction, c.exact_last_stage, c.drop_window_candidates,
+            c.extend_reused_blocks) == ("z-score", True, True, True)
     assert c.remap_pruning == "always"
     assert c.final_keep_for_layer(0) == 4096 and c.final_keep_for_layer(10) == 2048
 
@@ -75,11 +75,11 @@ def test_selection_rules_parse_and_reach_the_layers():
     from vllm_infinitehip.backend import layer_prune_params
 
     raw = {"head_reduction": "z-score", "exact_last_stage": True, "drop_window_candidates": True,
-           "extend_reused_blocks": True}
+           "extend_reused_blocks": False}
     c = InfiniteHiPConfig.from_user(raw)
     p = layer_prune_params(c, 5)
     assert (p.head_reduction, p.exact_last_stage, p.drop_window_candidates,
-            p.extend_reused_blocks) == ("z-score", True, True, True)
+            p.extend_reused_blocks) == ("z-score", True, True, False)
     assert InfiniteHiPConfig.from_user(c.to_dict()) == c
 
 

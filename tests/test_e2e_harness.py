@@ -70,6 +70,19 @@ def test_tensor_parallel_engines_reach_vllm_as_its_own_arguments():
         e2e.engine_spec("3k-fast+ray", 140000)
 
 
+def test_selection_rule_engines_set_every_rule_and_the_block_extension():
+    """A plain preset runs the defaults; +paper / +rules name their rules and read blocks as
+    chosen unless +extend is named too."""
+    hip = lambda name: e2e.engine_spec(name, 140000)["additional_config"]["infinitehip"]
+    assert set(hip("3k-fast")) == {"preset", "rope_extension"}
+    paper = hip("3k-fast+paper")
+    assert (paper["head_reduction"], paper["remap_pruning"], paper["extend_reused_blocks"]) == (
+        "max", "past-trained", False)
+    assert hip("3k+rules")["extend_reused_blocks"] is False
+    rules = hip("3k+rules+extend")
+    assert (rules["head_reduction"], rules["extend_reused_blocks"]) == ("z-score", True)
+
+
 def _speed(engine, backend, tp_size, tok_s, batch=1, context=131072):
     return {"engine": engine, "backend": backend, "tp": tp_size, "context": context,
             "batch": batch, "decode_tok_s": tok_s, "prefill_s": 10.0,

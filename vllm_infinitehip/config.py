@@ -141,7 +141,8 @@ class InfiniteHiPConfig:
       was chosen (at most ``block_size_k`` more). A multi-token copy (a UUID, a line of code)
       walks one token per step out of the block that held its source; this keeps the next
       tokens in view until the mask is refreshed, at the cost of reading up to twice the
-      selected keys.
+      selected keys (default on: RULER at 1x on Qwen2.5-Coder-0.5B went from 42.7 to 45.1,
+      niah_single_3's UUID copies from 60 to 95).
     - ``rope_extension``: remap RoPE positions (INFINITEHIP.md §2) so every distance a layer sees
       stays inside the trained range: ``"auto"`` (on when ``max_model_len`` exceeds
       ``trained_context``), ``true`` or ``false``. Only queries at or past ``trained_context``
@@ -194,7 +195,7 @@ class InfiniteHiPConfig:
     head_reduction: str = "z-score"
     exact_last_stage: bool = True
     drop_window_candidates: bool = True
-    extend_reused_blocks: bool = False
+    extend_reused_blocks: bool = True
     prefill_tail_window: int | str | None = "auto"
     prefill_final_query_own_mask: bool = False
     rope_extension: bool | str = "auto"
