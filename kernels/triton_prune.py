@@ -477,8 +477,8 @@ def select_rep_scores_paged(
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     nb, hq, nq, d = q_pooled.shape
-    _, two, page_size, hkv, dk = kv_cache.shape
-    if two != 2 or dk != d:
+    _, planes, page_size, hkv, dk = kv_cache.shape
+    if planes not in (1, 2) or dk != d:  # one plane: keys alone (:func:`unrotated_key_pages`)
         raise ValueError(
             f"kv_cache shape {tuple(kv_cache.shape)} must be [num_pages, 2, page_size, H_kv, {d}]"
         )
@@ -659,6 +659,58 @@ def run_stages_paged(
     return ref.PruneResult(trim(result.block_starts, bq), trim(result.block_valid, bq), inputs)
 
 
+# Pages turned back per step of :func:`unrotated_key_pages`: its fp32 temporaries stay near
+# 64K tokens' worth (256 MB for 8 KV heads of 128), whatever the context.
+UNROTATE_PAGES = 4096
+
+
+def unrotated_key_pages(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    blocks: QueryBlocks,
+    table: RopeTable,
+    k_scale: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys of the requests in ``blocks`` turned back to position 0 (``R(-t) k``, what
+    relative-style pruning scores every probe key at, §2), as a K-only paged cache
+    ``[n, 1, page, H_kv, D]`` and its block table, shaped and indexed like ``block_table``
+    (rows no part of ``blocks`` reads point at page 0; without ``blocks.parts``, every row is
+    covered up to ``blocks.max_seq_len``, or its whole capacity where that is 0).
+
+    Pruning then reads these keys as they lie instead of rotating each probe in the kernel: a
+    key is turned once here, where a 32K-query chunk's probes read it about 200 times at 512K.
+    The rotation is :func:`rope.rotate`'s (float32), rounded to the cache's dtype as a rotated
+    cache is (bf16 for an fp8 cache, dequantized with ``k_scale``). Row ``r`` is covered up to
+    the longest ``seq_len`` of its parts; nothing past it is probed."""
+    page = kv_cache.shape[2]
+    # without parts: every row, up to the blocks' longest request (unknown when resuming a
+    # decode refresh: then the table's capacity)
+    longest = blocks.max_seq_len or block_table.shape[1] * page
+    lengths = dict.fromkeys(range(block_table.shape[0]), longest)
+    if blocks.parts:
+        lengths = {}
+        for part in blocks.parts:
+            lengths[part.row] = max(lengths.get(part.row, 0), part.seq_len)
+    fp8 = ref.is_fp8_cache(kv_cache)
+    dtype = torch.bfloat16 if fp8 else kv_cache.dtype
+    pages = {row: min(-(-n // page), block_table.shape[1]) for row, n in lengths.items()}
+    out = torch.empty(max(sum(pages.values()), 1), 1, page, *kv_cache.shape[3:], dtype=dtype,
+                      device=kv_cache.device)  # fmt: skip
+    host_table = torch.zeros(tuple(block_table.shape), dtype=torch.int32)
+    at = 0
+    for row, n in pages.items():
+        host_table[row, :n] = torch.arange(at, at + n, dtype=torch.int32)
+        for lo in range(0, n, UNROTATE_PAGES):
+            hi = min(n, lo + UNROTATE_PAGES)
+            k = kv_cache[block_table[row, lo:hi].long(), 0]
+            if fp8:
+                k = ref.dequantize_fp8(k, k_scale)
+            pos = torch.arange(lo * page, hi * page, device=k.device).view(hi - lo, page)
+            out[at + lo : at + hi, 0] = rotate(k, -pos, table)
+        at += n
+    return out, host_table.to(kv_cache.device, non_blocking=True)
+
+
 def run_stages_blocks(
     params: ref.PruneParams,
     q: torch.Tensor,
@@ -691,10 +743,12 @@ def run_stages_blocks(
 
     RoPE remapping (``params.rope`` with ``pruning`` ``"relative"`` or ``"chunk-indexed"``, §2)
     is done as the reference does it. The queries are un-rotated from their true positions and
-    placed by torch (small tensors). Each probe key is moved in-kernel from its true position
-    (see :func:`select_rep_scores_paged`). Blocks whose last query sits below
-    ``rope.trained_context`` keep true positions (queries and keys as given). The rotation
-    tables are sized by the block table's capacity and built on the first call.
+    placed by torch (small tensors). Relative style puts every probe key at position 0: the
+    keys are turned there once per call (:func:`unrotated_key_pages`) and the kernel reads them
+    plainly; chunk-indexed style moves each probe key in-kernel from its true position (see
+    :func:`select_rep_scores_paged`). Blocks whose last query sits below the pruning's remap
+    threshold keep true positions (queries and keys as given). The rotation tables are sized
+    by the block table's capacity and built on the first call.
 
     ``k_scale`` / ``v_scale``: an fp8 cache's dequantization (:func:`select_rep_scores_paged`);
     the result then equals :func:`reference.run_stages` on the dequantized keys.
@@ -730,8 +784,17 @@ def run_stages_blocks(
     rows, present, positions = stage_blocks.padded_queries(q)
     hq, d = q.shape[1], q.shape[2]
     true_rows = rows
+    turned_keys, all_turn = None, False
     if style != "none":
         table = rope_table_on(rope.table, device)
+        if style == "relative":
+            turned_keys = unrotated_key_pages(kv_cache, block_table, blocks, table, k_scale)
+            # every block turns when each part's first (finest) block reaches the threshold;
+            # without the parts (host ints) that is unknown, and both launches run
+            finest = min(st.block_size_q for st in params.stages[start_stage:])
+            all_turn = bool(blocks.parts) and all(
+                p.first_pos + min(finest, p.q_hi - p.q_lo) - 1 >= rope.pruning_threshold
+                for p in blocks.parts)  # fmt: skip
         # Score un-rotated queries, placed below where the style says (as the reference).
         rows = rotate(rows.view(-1, hq, d), -positions.view(-1), table)
 
@@ -771,25 +834,30 @@ def run_stages_blocks(
                         table)  # fmt: skip
         elif style == "chunk-indexed":  # from their true t, to the gap the style gives
             rotation = (ref.chunk_indexed_key_turn(c, block_min_pos, sw, widths), table)
-        scores = select_rep_scores_paged(
-            q_left,
-            kv_cache,
-            block_table,
-            scored.starts,
-            scored.valid,
-            key_limit,
-            chunk_size=st.chunk_size,
-            probe=params.probe,
-            precision=precision,
-            q_pooled_right=q_right,
-            key_rotation=rotation,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            block_rows=stage_blocks.row,
-            turn_blocks=turn,
-            head_reduction=params.head_reduction,
-            exact=params.exact_last_stage and i == n_stages - 1,
-        )
+        common = dict(chunk_size=st.chunk_size, probe=params.probe, precision=precision,
+                      q_pooled_right=q_right, block_rows=stage_blocks.row,
+                      head_reduction=params.head_reduction,
+                      exact=params.exact_last_stage and i == n_stages - 1)  # fmt: skip
+        if turned_keys is None:
+            scores = select_rep_scores_paged(
+                q_left, kv_cache, block_table, scored.starts, scored.valid, key_limit,
+                key_rotation=rotation, k_scale=k_scale, v_scale=v_scale, turn_blocks=turn,
+                **common,
+            )  # fmt: skip
+        else:
+            # turned blocks read the keys turned to 0; the others (below the threshold) the
+            # cache at true positions, in a second launch whose other blocks exit at once
+            at = turn.view(-1, 1)
+            scores = select_rep_scores_paged(
+                q_left, turned_keys[0], turned_keys[1], scored.starts, scored.valid & at,
+                key_limit, **common,
+            )  # fmt: skip
+            if not all_turn:
+                as_cached = select_rep_scores_paged(
+                    q_left, kv_cache, block_table, scored.starts, scored.valid & ~at,
+                    key_limit, k_scale=k_scale, v_scale=v_scale, **common,
+                )  # fmt: skip
+                scores = torch.where(at, scores, as_cached)
         if reduce_scores is not None:
             scores = reduce_scores(scores)
         kept_starts, kept_valid = ref.keep_top_chunks(scores, scored, keep)

@@ -535,18 +535,21 @@ def test_triton_ops_keep_blocks_inside_the_trained_length_at_true_positions(prun
 # --------------------------------------------------------------------------- batched prefill
 @pytest.mark.slow  # long under the Triton interpreter
 @pytest.mark.parametrize(
-    ("pruning", "first_block"),
-    [(None, 32), ("chunk-indexed", 32)],
-    ids=["coarse-first-stage", "chunk-indexed-coarse-first-stage"],
-)
-def test_prefill_chunks_batched_equal_each_chunk_alone(pruning, first_block):
+    ("pruning", "first_block", "trained"),
+    [(None, 32, 0), ("chunk-indexed", 32, 0), ("relative", 32, 0), ("relative", 32, 1000)],
+    ids=["coarse-first-stage", "chunk-indexed-coarse-first-stage", "relative-all-remapped",
+         "relative-some-below-the-trained-length"],
+)  # fmt: skip
+def test_prefill_chunks_batched_equal_each_chunk_alone(pruning, first_block, trained):
     """A step's sparse prefill chunks as the builder plans them, several requests and parts of
     different lengths in one cascade and one attention launch per kind of part
     (``TritonOps.prune_blocks`` / ``attend_blocks``), equal the reference run chunk by chunk
     (``ReferenceOps``, itself checked against the request-at-a-time calls): the same selected
     blocks for every query block, the same outputs, and rows of other requests left alone. The
     requests' lengths differ, so the batch's candidate lists are wider than a short request's
-    (its own candidate count places chunk-indexed queries)."""
+    (its own candidate count places chunk-indexed queries). Relative pruning reads keys turned
+    back once per call; with a trained length of 1000, requests 0 and 1 prune at true
+    positions and request 2 remapped, in two launches over the same blocks."""
     from vllm_infinitehip.kernels.query_blocks import QueryBlocks, RequestPart
 
     hq, hkv, d, scale = 8, 2, 64, 0.125
@@ -560,7 +563,7 @@ def test_prefill_chunks_batched_equal_each_chunk_alone(pruning, first_block):
             ref.write_paged_kv(kv, rotate(k, t, NEOX64), v, table[b][t // 16].long() * 16 + t % 16)
     stages = (ref.StageParams(32, 256, first_block, 4), ref.StageParams(8, 96, 16, 4),
               ref.StageParams(4, 48, 16, 1))  # fmt: skip
-    plan = ref.RopePlan(NEOX64, pruning, "streaming") if pruning else None
+    plan = ref.RopePlan(NEOX64, pruning, "streaming", trained) if pruning else None
     params = ref.PruneParams(16, 64, stages, "midpoint", plan)
     # the step's queries: request 1's chunk is cut into a body and a one-query part, request 0
     # sits between two of request 2's parts, and 5 tokens at the front belong to nobody

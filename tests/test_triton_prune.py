@@ -518,6 +518,35 @@ def rope_params(pruning: str, probe: str, table: RopeTable) -> ref.PruneParams:
                            ref.RopePlan(table, pruning, "streaming"))  # fmt: skip
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_unrotated_key_pages_hold_the_keys_at_position_zero(fp8):
+    """Each part's row, read through the returned table, is the un-rotated key the cache was
+    written from (fp8: its dequantized value turned back, in bf16); rows no part reads are
+    not copied."""
+    from vllm_infinitehip.kernels.query_blocks import QueryBlocks, RequestPart
+
+    t, hkv, d, page = 300, 2, 64, 16
+    table = RopeTable.default(d, 10000.0)
+    gen = torch.Generator().manual_seed(3)
+    k0 = torch.randn(t, hkv, d, generator=gen)
+    cache, row = paged_cache(rotate(k0, torch.arange(t), table), page, gen)
+    block_table = torch.stack([row, row.flip(0)])  # row 1: another request, not in the parts
+    k_scale = 0.05
+    if fp8:
+        cache, dequantized = fp8_of(cache, k_scale, 1.0)
+    parts = [RequestPart(0, 0, 20, 250, 270), RequestPart(0, 20, 50, 270, t)]
+    blocks = QueryBlocks.plan(parts, 16, DEVICE)
+    pages, turned_table = tp.unrotated_key_pages(cache, block_table, blocks, table, k_scale)
+    assert pages.shape == (-(-t // page), 1, page, hkv, d)
+    assert pages.dtype == (torch.bfloat16 if fp8 else torch.float32)
+    assert torch.equal(turned_table[1].cpu(), torch.zeros_like(turned_table[1].cpu()))
+    got = pages[turned_table[0].long()].view(-1, hkv, d)[:t].float().cpu()
+    want = k0
+    if fp8:  # what the cache holds, turned back
+        want = rotate(to_cpu_gathered(dequantized, row, t).cpu(), -torch.arange(t), table)
+    torch.testing.assert_close(got, want, rtol=1e-2 if fp8 else 1e-5, atol=1e-2 if fp8 else 1e-5)
+
+
 @pytest.mark.slow  # long under the Triton interpreter
 @pytest.mark.parametrize(
     "pruning,nq,hkv,page,probe",
