@@ -533,6 +533,10 @@ def _decode_merge_kernel(
 
 
 # --------------------------------------------------------------------------- prefill
+# Query rows per prefill program (heads of a KV group stacked): 128, as FlashAttention's tiles.
+PREFILL_TILE_ROWS = 128
+
+
 @triton.jit
 def _prefill_streaming(
     q,
@@ -790,6 +794,8 @@ def _prefill_kernel(
     rope_bias,
     rope_n_hi,
     GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
+    HEAD_TILES: tl.constexpr,
     BLOCK_SIZE_Q: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -807,9 +813,12 @@ def _prefill_kernel(
     BLOCK_P: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
+    # One program per (query block, tile of HEADS query heads of one KV group): the heads of a
+    # group share the block's mask, so their queries are stacked as HEADS * BLOCK_Q rows and
+    # each K/V tile is read once for all of them (once per HEAD_TILES, not per query head).
     qb = tl.program_id(0)
-    h = tl.program_id(1)
-    kv_head = h // GROUP
+    tile = tl.program_id(1)
+    kv_head = tile // HEAD_TILES
     k_scale, v_scale = _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
 
     # the block (query_blocks.QueryBlocks): its request's block-table row, its queries' rows
@@ -820,28 +829,32 @@ def _prefill_kernel(
     # a padding block reads nothing: its key ranges below come out empty (none selected)
     p_min = tl.where(n_q > 0, tl.load(firstpos_ptr + qb).to(tl.int32), 0)
     seq_len = tl.load(end_ptr + qb).to(tl.int32)
-    offs_m = tl.arange(0, BLOCK_Q)
+    # row r: query r % BLOCK_Q of the tile's head r // BLOCK_Q
+    offs_r = tl.arange(0, HEADS * BLOCK_Q)
+    offs_m = offs_r % BLOCK_Q
+    head_in_group = (tile % HEAD_TILES) * HEADS + offs_r // BLOCK_Q
+    h = kv_head * GROUP + head_in_group
     qi = tl.load(qstart_ptr + qb).to(tl.int64) + offs_m
-    q_ok = (offs_m < BLOCK_SIZE_Q) & (offs_m < n_q)
+    q_ok = (offs_m < BLOCK_SIZE_Q) & (offs_m < n_q) & (head_in_group < GROUP)
     pos = p_min + offs_m
     p_max = p_min + n_q - 1
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    q_rows = q_ptr + qi.to(tl.int64) * stride_qn + h.to(tl.int64) * stride_qh
     q = tl.load(
-        q_ptr + qi[:, None].to(tl.int64) * stride_qn + h * stride_qh + offs_d[None, :] * stride_qd,
+        q_rows[:, None] + offs_d[None, :] * stride_qd,
         mask=q_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
 
-    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_Q], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([HEADS * BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([HEADS * BLOCK_Q], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([HEADS * BLOCK_Q], dtype=tl.float32)
 
     starts_row = starts_ptr + qb.to(tl.int64) * stride_sb
     n_sel = tl.load(nvalid_ptr + qb).to(tl.int32) * BLOCK_K
     if STREAMING:
         # (q_a/q_b/q_p: qb is the query block here)
-        q_rows = q_ptr + qi.to(tl.int64) * stride_qn + h * stride_qh
         q_a, q_b, q_p = load_split(q_rows, q_ok, stride_qd, HEAD_DIM, 1.0, False, ROT_DIM,
                                    IS_NEOX, BLOCK_F, BLOCK_P)  # fmt: skip
         # A block whose last query sits below the trained length attends at true positions,
@@ -871,7 +884,8 @@ def _prefill_kernel(
         )  # fmt: skip
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    out_rows = out_ptr + qi[:, None].to(tl.int64) * stride_on + h * stride_oh
+    out_rows = (out_ptr + qi[:, None].to(tl.int64) * stride_on
+                + h[:, None].to(tl.int64) * stride_oh)  # fmt: skip
     tl.store(
         out_rows + offs_d[None, :] * stride_od,
         o.to(out_ptr.dtype.element_ty),
@@ -1255,18 +1269,24 @@ def sparse_prefill_attention_blocks(
     n_valid = block_valid.sum(dim=1, dtype=torch.int32)
     block_d = triton.next_power_of_2(d)
     block_q = max(16, triton.next_power_of_2(block_size_q))
-    block_n = 32 if block_d > 128 or block_q > 64 or rope is not None else 64
+    # heads of a KV group stacked per program, up to PREFILL_TILE_ROWS rows (a 64-query block:
+    # two heads), so K/V tiles are read once per HEADS query heads
+    heads = min(triton.next_power_of_2(group), max(1, PREFILL_TILE_ROWS // block_q))
+    head_tiles = triton.cdiv(group, heads)
+    rows = heads * block_q
+    block_n = 32 if block_d > 128 or rows > 64 or rope is not None else 64
     qk_scale, cap_log2e, inv_cap_scale = _softmax_consts(scale, logit_soft_cap)
     capacity = max(block_table.shape[1] * page_size, blocks.max_seq_len)
     (hi_t, lo_t, bias, n_hi), rope_meta = _streaming_args(rope, d, capacity, q)
-    _prefill_kernel[(n_qblocks, hq)](
+    _prefill_kernel[(n_qblocks, (hq // group) * head_tiles)](
         q, kv_cache, block_table, blocks.row, blocks.start, blocks.count, blocks.first_pos,
         blocks.slice_end, block_starts, n_valid, out, hi_t, lo_t, k_sc, v_sc,
         *q.stride(), *kv_cache.stride(), *block_table.stride(), *block_starts.stride(),
         *out.stride(), sink_tokens, window_tokens, trained_context, qk_scale, cap_log2e,
-        inv_cap_scale, bias, n_hi, GROUP=group, BLOCK_SIZE_Q=block_size_q, BLOCK_Q=block_q,
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size,
+        inv_cap_scale, bias, n_hi, GROUP=group, HEADS=heads, HEAD_TILES=head_tiles,
+        BLOCK_SIZE_Q=block_size_q, BLOCK_Q=block_q, HEAD_DIM=d, BLOCK_D=block_d,
+        BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size,
         USE_SOFT_CAP=logit_soft_cap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),
-        KV_FP8=kv_fp8, num_warps=4 if block_q <= 64 and block_d <= 128 else 8, **rope_meta,
+        KV_FP8=kv_fp8, num_warps=4 if rows <= 64 and block_d <= 128 else 8, **rope_meta,
     )  # fmt: skip
     return out
