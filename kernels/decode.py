@@ -172,9 +172,10 @@ def attend_reference(
     v_scale: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Decode attention of every row: dense for rows without a slot, block-sparse over the
-    slot's final blocks otherwise (read past their ends by :func:`block_extension`). Returns ``[B, H_q, D]`` and the (query, key) pairs the
-    sparse rows attended. ``bank``: read through the host tier's GPU cache, as the kernels do;
-    ``k_scale`` / ``v_scale`` dequantize an fp8 cache (:func:`reference.gather_paged_kv`)."""
+    slot's final blocks otherwise (read past their ends by :func:`block_extension`). Returns
+    ``[B, H_q, D]`` and the (query, key) pairs the sparse rows attended. ``bank``: read
+    through the host tier's GPU cache, as the kernels do; ``k_scale`` / ``v_scale`` dequantize
+    an fp8 cache (:func:`reference.gather_paged_kv`)."""
     out = torch.zeros_like(q)
     attended = 0
     extension = block_extension(params, rows)

@@ -102,10 +102,10 @@ class DecodeSlots:
         slot) and ``levels`` (``LEVEL_NONE`` for rows without a slot). ``out``: int32 buffers
         ``(slots, levels, seq_lens, stale_steps)`` of at least ``B`` entries that receive the
         rows' slots, levels, lengths and the decode steps since each row's final blocks were
-        chosen (:func:`stale_steps`; 0 without a slot) (the builder's persistent per-row
-        buffers, which captured graphs read); the returned tensors are views of the first two. :attr:`refreshing` becomes whether
-        any row reruns a stage. On CUDA this is one Triton launch (:mod:`kernels.triton_slots`);
-        elsewhere the PyTorch ops below, its spec.
+        chosen (:func:`stale_steps`; 0 without a slot): the builder's persistent per-row
+        buffers, which captured graphs read. The returned tensors are views of the first two.
+        :attr:`refreshing` becomes whether any row reruns a stage. On CUDA this is one Triton
+        launch (:mod:`kernels.triton_slots`); elsewhere the PyTorch ops below, its spec.
         """
         batch = seq_lens.shape[0]
         if out is None:
