@@ -91,7 +91,11 @@ class AttentionOps(Protocol):
     def prune_blocks(self, params: ref.PruneParams, blocks: QueryBlocks, q: torch.Tensor,
                      kv_cache: torch.Tensor, block_table: torch.Tensor, scale: float, *,
                      k_scale: float | torch.Tensor | None = None,
-                     v_scale: float | torch.Tensor | None = None) -> ref.PruneResult: ...  # fmt: skip
+                     v_scale: float | torch.Tensor | None = None,
+                     shared: dict | None = None) -> ref.PruneResult:  # fmt: skip
+        """``shared``: one dict for the calls of one layer over one cache (a batch's kinds of
+        part), where an implementation keeps what they can reuse (the turned-back keys)."""
+        ...
 
     def attend_blocks(self, params: ref.PruneParams, blocks: QueryBlocks, q: torch.Tensor,
                       kv_cache: torch.Tensor, block_table: torch.Tensor, scale: float,
@@ -140,7 +144,7 @@ class ReferenceOps:
             out[p.q_lo : p.q_hi] = self.dense(req, q[p.q_lo : p.q_hi], positions, scale)
 
     def prune_blocks(self, params, blocks, q, kv_cache, block_table, scale, *, k_scale=None,
-                     v_scale=None):  # fmt: skip
+                     v_scale=None, shared=None):  # fmt: skip
         """Each part's cascade alone, stacked into the batch's final blocks (a part's padding
         blocks and extra entries invalid; stage inputs are not kept)."""
         fine = blocks.refine(params.block_size_q)
@@ -226,12 +230,12 @@ class TritonOps:
             out.index_copy_(0, rows.token_index, o)
 
     def prune_blocks(self, params, blocks, q, kv_cache, block_table, scale, *, k_scale=None,
-                     v_scale=None):  # fmt: skip
+                     v_scale=None, shared=None):  # fmt: skip
         from vllm_infinitehip.kernels.triton_prune import run_stages_blocks
 
         return run_stages_blocks(params, q, blocks, kv_cache, block_table, scale,
                                  precision=self.precision, k_scale=k_scale, v_scale=v_scale,
-                                 reduce_scores=self.reduce_scores)  # fmt: skip
+                                 reduce_scores=self.reduce_scores, shared=shared)  # fmt: skip
 
     def attend_blocks(self, params, blocks, q, kv_cache, block_table, scale, prune, out, *,
                       k_scale=None, v_scale=None):  # fmt: skip

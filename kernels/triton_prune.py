@@ -725,6 +725,7 @@ def run_stages_blocks(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     reduce_scores: ref.ScoreReduce | None = None,
+    shared: dict | None = None,
 ) -> ref.PruneResult:
     """The cascade of :func:`reference.run_stages` for the query blocks of one or more requests
     (a step's prefill chunks) in one set of launches.
@@ -752,7 +753,9 @@ def run_stages_blocks(
 
     ``k_scale`` / ``v_scale``: an fp8 cache's dequantization (:func:`select_rep_scores_paged`);
     the result then equals :func:`reference.run_stages` on the dequantized keys.
-    ``reduce_scores``: as in :func:`reference.run_stages`.
+    ``reduce_scores``: as in :func:`reference.run_stages`. ``shared``: a dict kept across the
+    calls of one layer over one cache (a step's kinds of part): the turned-back keys of the
+    same requests at the same lengths are made once.
     """
     device = q.device
     stage_blocks = blocks.refine(params.stages[start_stage].block_size_q)
@@ -788,7 +791,13 @@ def run_stages_blocks(
     if style != "none":
         table = rope_table_on(rope.table, device)
         if style == "relative":
-            turned_keys = unrotated_key_pages(kv_cache, block_table, blocks, table, k_scale)
+            key = ("unrotated_key_pages", tuple(sorted({(p.row, p.seq_len) for p in blocks.parts})))
+            if shared is not None and blocks.parts and key in shared:
+                turned_keys = shared[key]
+            else:
+                turned_keys = unrotated_key_pages(kv_cache, block_table, blocks, table, k_scale)
+                if shared is not None and blocks.parts:
+                    shared[key] = turned_keys
             # every block turns when each part's first (finest) block reaches the threshold;
             # without the parts (host ints) that is unknown, and both launches run
             finest = min(st.block_size_q for st in params.stages[start_stage:])

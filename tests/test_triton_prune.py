@@ -547,6 +547,34 @@ def test_unrotated_key_pages_hold_the_keys_at_position_zero(fp8):
     torch.testing.assert_close(got, want, rtol=1e-2 if fp8 else 1e-5, atol=1e-2 if fp8 else 1e-5)
 
 
+def test_calls_sharing_a_dict_turn_the_keys_back_once(monkeypatch):
+    """Two kinds of part of one batch (a chunk's body and its tail) over one cache: with one
+    ``shared`` dict the keys are turned back once, and each call selects what the reference
+    does for its queries."""
+    from vllm_infinitehip.kernels.query_blocks import QueryBlocks, RequestPart
+
+    t, nq = 700, 48
+    k, q, pos, rope, cache, block_table = rotated_case(5, "relative", t, nq)
+    p = small_params("midpoint")
+    params = ref.PruneParams(p.sink_tokens, p.window_tokens, p.stages, "midpoint", rope)
+    made = []
+    real = tp.unrotated_key_pages
+    monkeypatch.setattr(tp, "unrotated_key_pages",
+                        lambda *a, **kw: made.append(1) or real(*a, **kw))  # fmt: skip
+    shared: dict = {}
+    for lo, hi in ((0, 32), (32, nq)):  # body, then tail: queries at t - nq + lo ..
+        part = RequestPart(0, lo, hi, t - nq + lo, t)
+        blocks = QueryBlocks.plan([part], 16, DEVICE)
+        got = tp.run_stages_blocks(params, q.to(DEVICE), blocks, cache, block_table.view(1, -1),
+                                   0.125, shared=shared)  # fmt: skip
+        want = ref.run_stages(params, q[lo:hi], k[: t - nq + hi], pos[lo:hi], 0.125)
+        v = want.block_valid
+        assert torch.equal(got.block_valid.cpu()[: v.shape[0], : v.shape[1]], v)
+        assert torch.equal(got.block_starts.cpu()[: v.shape[0], : v.shape[1]][v],
+                           want.block_starts[v])  # fmt: skip
+    assert len(made) == 1
+
+
 @pytest.mark.slow  # long under the Triton interpreter
 @pytest.mark.parametrize(
     "pruning,nq,hkv,page,probe",

@@ -917,11 +917,12 @@ class InfiniteHiPImpl(AttentionImpl):
                 table = table_row.view(1, -1)
             if batch.dense is not None:
                 ops.dense_rows(batch.dense, q, out, cache, table, self.scale, **scales)
+            shared: dict = {}  # the kinds of part of one batch read one cache: turned keys once
             for call in batch.calls:
                 params = self._params if call.kind == "body" else (
                     self._tail_params or self._params)  # fmt: skip
                 prune = ops.prune_blocks(params, call.blocks, q, cache, table, self.scale,
-                                         **scales)  # fmt: skip
+                                         shared=shared, **scales)  # fmt: skip
                 self.pairs[0] += ops.attend_blocks(params, call.blocks, q, cache, table,
                                                    self.scale, prune, out, **scales)  # fmt: skip
                 if self.recall_log is not None:
