@@ -1,0 +1,109 @@
+"""Where each KV block's V lives when the host tier's capacity is GPU plus host memory.
+
+vLLM sees one pool of ``num_blocks`` blocks. Every block keeps its K in HBM, indexed by block
+id, so the pruning stages never wait on the host. Its V has one *home*: one of ``gpu_pages``
+V pages in HBM or one of the ``num_blocks - gpu_pages`` pages of pinned host memory. The homes
+are a permutation of the pages: a block always has exactly one, and no two blocks share one.
+This module is the placement policy alone, on host ints (numpy), with no copy of its own: the
+worker applies what it returns, and the kernels read V through :attr:`VHomes.home`. The worker
+does not use it yet.
+
+A step's newly allocated blocks hold nothing worth keeping (vLLM writes them now) and are read at
+every later step, so they are given GPU homes. A new block homed on the host swaps homes with a
+*victim* on the GPU (:meth:`VHomes.place`): the victim's V is copied to the new block's host
+page (a :class:`Spill`, enqueued before the step's forward on its stream), and the new block
+takes the victim's GPU page without a copy. No V is lost, only moved: a spilled block that a
+request or the prefix cache still holds is read from the host afterwards (through the bank).
+
+Victims, best first (:func:`victim_order`): GPU-homed blocks no running request holds (free,
+perhaps prefix-cached), least recently freed first; then held blocks by their distance from the
+nearer end of their request, farthest first (the sink and the window are read at every step,
+the middle only where a mask selects it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Spill:
+    """Copy ``block``'s V from GPU page ``gpu_page`` to host page ``host_page`` before the step
+    writes the block that takes ``gpu_page``."""
+
+    block: int
+    gpu_page: int
+    host_page: int
+
+
+class VHomes:
+    """The V home of every block: ``home[b] >= 0`` is GPU page ``home[b]``, ``home[b] < 0`` is
+    host page ``-1 - home[b]``. Blocks start homed in order: the first ``gpu_pages`` on the GPU,
+    so when every block fits (``gpu_pages == num_blocks``) the layout is the tier off's."""
+
+    def __init__(self, num_blocks: int, gpu_pages: int) -> None:
+        if not 0 < gpu_pages <= num_blocks:
+            raise ValueError(f"gpu_pages={gpu_pages} must be in [1, num_blocks={num_blocks}]")
+        self.home = np.arange(num_blocks, dtype=np.int64)
+        self.home[gpu_pages:] = -1 - np.arange(num_blocks - gpu_pages)
+        # the inverse: which block each page homes
+        self.gpu_block = np.arange(gpu_pages, dtype=np.int64)
+        self.host_block = np.arange(gpu_pages, num_blocks, dtype=np.int64)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.home)
+
+    @property
+    def gpu_pages(self) -> int:
+        return len(self.gpu_block)
+
+    def on_gpu(self, block: int) -> bool:
+        return bool(self.home[block] >= 0)
+
+    def place(self, new_blocks: Sequence[int], victims: Iterable[int]) -> list[Spill]:
+        """Give every block of ``new_blocks`` (allocated this step) a GPU home; return the copies
+        that keep the victims' V. ``victims``: candidates best first (:func:`victim_order`);
+        new blocks and blocks already on the host are passed over. Raises ``RuntimeError`` when
+        the candidates run out: more blocks are new in one step than the GPU holds pages."""
+        new = set(new_blocks)
+        candidates = iter(victims)
+        spills: list[Spill] = []
+        for block in dict.fromkeys(new_blocks):
+            if self.home[block] >= 0:
+                continue
+            victim = next((v for v in candidates if v not in new and self.home[v] >= 0), None)
+            if victim is None:
+                raise RuntimeError(
+                    f"no GPU page for block {block}: {len(new)} blocks are new in one step and "
+                    f"the GPU holds {self.gpu_pages} V pages"
+                )
+            gpu_page, host_page = int(self.home[victim]), int(-1 - self.home[block])
+            spills.append(Spill(victim, gpu_page, host_page))
+            self.home[victim], self.home[block] = -1 - host_page, gpu_page
+            self.gpu_block[gpu_page], self.host_block[host_page] = block, victim
+        return spills
+
+
+def victim_order(
+    homes: VHomes, held: Mapping[str, Sequence[int]], free_lru: Sequence[int]
+) -> Iterator[int]:
+    """GPU-homed blocks whose V may move to the host, best first: ``free_lru`` (blocks no
+    running request holds, least recently freed first), then the blocks ``held`` by requests
+    (request id -> its blocks in order) by distance from the nearer end of their request,
+    farthest first. A block may come more than once (shared prefixes); :meth:`VHomes.place`
+    passes over those already moved."""
+    for block in free_lru:
+        if homes.on_gpu(block):
+            yield block
+    ranked = sorted(
+        ((min(i, len(blocks) - 1 - i), block) for blocks in held.values()
+         for i, block in enumerate(blocks)),
+        key=lambda rank: -rank[0],
+    )  # fmt: skip
+    for _, block in ranked:
+        if homes.on_gpu(block):
+            yield block

@@ -1,0 +1,86 @@
+"""The GPU + host placement of V (block_manager.placement), against a simulated memory: every
+block is read back from its one home, new blocks land on the GPU, and a spill keeps the V it
+moves."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vllm_infinitehip.block_manager.placement import VHomes, victim_order
+
+
+def assert_homes_are_a_permutation(h: VHomes) -> None:
+    gpu = sorted(int(x) for x in h.home if x >= 0)
+    host = sorted(int(-1 - x) for x in h.home if x < 0)
+    assert gpu == list(range(h.gpu_pages))
+    assert host == list(range(h.num_blocks - h.gpu_pages))
+    for block, x in enumerate(h.home.tolist()):
+        owner = h.gpu_block[x] if x >= 0 else h.host_block[-1 - x]
+        assert owner == block
+
+
+def test_blocks_start_in_order_and_fit_all_on_the_gpu_as_the_tier_off():
+    h = VHomes(8, 8)
+    assert h.home.tolist() == list(range(8))
+    h = VHomes(8, 3)
+    assert h.home.tolist() == [0, 1, 2, -1, -2, -3, -4, -5]
+    assert_homes_are_a_permutation(h)
+    with pytest.raises(ValueError, match="gpu_pages=0"):
+        VHomes(8, 0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_traffic_reads_every_block_from_its_one_home(seed):
+    """Requests come, grow and leave; vLLM hands out the least recently freed block. After
+    every step's placement and copies, each block written so far (freed ones too: the prefix
+    cache may hit them) reads back what was written, and the step's new blocks are on the GPU."""
+    rng = random.Random(seed)
+    n, pages = 64, 16
+    h = VHomes(n, pages)
+    gpu_mem: list[object] = [None] * pages
+    host_mem: list[object] = [None] * (n - pages)
+    written: dict[int, object] = {}
+    held: dict[str, list[int]] = {}
+    free_lru = list(range(n))
+    spilled = 0
+    for step in range(300):
+        for req in list(held):
+            if rng.random() < 0.1:
+                free_lru.extend(held.pop(req))
+        new = [free_lru.pop(0) for _ in range(min(rng.randint(1, 6), len(free_lru)))]
+        req = rng.choice([*held, f"r{step}"])
+        held.setdefault(req, []).extend(new)
+
+        spills = h.place(new, victim_order(h, held, free_lru))
+        for s in spills:  # the copies run before the step writes
+            assert s.block not in new and gpu_mem[s.gpu_page] == written.get(s.block)
+            host_mem[s.host_page] = gpu_mem[s.gpu_page]
+        for block in new:
+            assert h.on_gpu(block)
+            written[block] = (step, block)
+            gpu_mem[h.home[block]] = written[block]
+        spilled += len(spills)
+
+        assert_homes_are_a_permutation(h)
+        for block, value in written.items():
+            x = h.home[block]
+            assert (gpu_mem[x] if x >= 0 else host_mem[-1 - x]) == value, (step, block)
+    assert spilled > 100  # the traffic did move V to the host
+
+
+def test_victims_are_free_blocks_first_then_the_middle_of_requests():
+    h = VHomes(12, 12)
+    held = {"a": [0, 1, 2, 3, 4, 5, 6], "b": [7, 8, 9]}
+    order = list(victim_order(h, held, free_lru=[11, 10]))
+    assert order[:2] == [11, 10]
+    assert order[2] == 3  # the middle of "a": 3 blocks from either end
+    assert set(order[3:5]) == {2, 4}
+    assert set(order[-4:]) == {0, 6, 7, 9}  # the ends (sink, window) last
+
+
+def test_too_many_new_blocks_for_the_gpu_is_an_error():
+    h = VHomes(8, 2)
+    with pytest.raises(RuntimeError, match="3 blocks are new in one step"):
+        h.place([5, 6, 7], victim_order(h, {"a": [5, 6, 7]}, free_lru=[0, 1]))
