@@ -77,6 +77,7 @@ def plot_passkey(result: dict, out: Path) -> None:
     ncols = max(len(backends) for _, _, backends, _ in panels)
     fig, axes = plt.subplots(len(panels), ncols, figsize=(4.5 * ncols, 4.0 * len(panels)),
                              squeeze=False, gridspec_kw={"hspace": 0.45, "wspace": 0.3})
+    title_lines = 2
     for ax_row, (model, rows, backends, config) in zip(axes, panels):
         lengths = sorted({r["context"] for r in rows})
         depths = sorted({r["depth"] for r in rows})
@@ -98,12 +99,14 @@ def plot_passkey(result: dict, out: Path) -> None:
             label = f"{backend} ({ops} path)" if ops else backend
             settings = ", ".join(f"{k}={v}" for k, v in json.loads(config).items()
                                  if backend == "infinitehip") if config else ""
-            ax.set_title(f"{model} (trained {rows[0]['trained_context'] // 1024}K)\n{label}"
-                         + (f"\n{textwrap.fill(settings, 48)}" if settings else ""), fontsize=8)
+            title = (f"{model} (trained {rows[0]['trained_context'] // 1024}K)\n{label}"
+                     + (f"\n{textwrap.fill(settings, 48)}" if settings else ""))
+            ax.set_title(title, fontsize=8)
+            title_lines = max(title_lines, title.count("\n") + 1)
         fig.colorbar(im, ax=ax_row.tolist(), shrink=0.8, label="passkey accuracy")
-    # above the panels' two-line titles: the default height overlaps them in a one-row figure
+    # above the first row's titles (8-point lines): the default height overlaps them
     fig.suptitle(f"passkey retrieval, {result['gpu']}, {result['date']}",
-                 y=1.0 + 0.3 / fig.get_figheight())
+                 y=1.0 + (0.1 + 0.14 * title_lines) / fig.get_figheight())
     fig.savefig(out, dpi=110, bbox_inches="tight")
 
 
