@@ -696,10 +696,19 @@ def unrotated_key_pages(
     pages = {row: min(-(-n // page), block_table.shape[1]) for row, n in lengths.items()}
     out = torch.empty(max(sum(pages.values()), 1), 1, page, *kv_cache.shape[3:], dtype=dtype,
                       device=kv_cache.device)  # fmt: skip
-    host_table = torch.zeros(tuple(block_table.shape), dtype=torch.int32)
+    # the copy's table is the same in every layer of a step: made once, kept with the blocks
+    table_key = ("unrotated_key_pages", tuple(block_table.shape), page)
+    turned_table = blocks._derived.get(table_key)
+    if turned_table is None:
+        host_table = torch.zeros(tuple(block_table.shape), dtype=torch.int32)
+        at = 0
+        for row, n in pages.items():
+            host_table[row, :n] = torch.arange(at, at + n, dtype=torch.int32)
+            at += n
+        turned_table = host_table.to(kv_cache.device, non_blocking=True)
+        blocks._derived[table_key] = turned_table
     at = 0
     for row, n in pages.items():
-        host_table[row, :n] = torch.arange(at, at + n, dtype=torch.int32)
         for lo in range(0, n, UNROTATE_PAGES):
             hi = min(n, lo + UNROTATE_PAGES)
             k = kv_cache[block_table[row, lo:hi].long(), 0]
@@ -708,7 +717,7 @@ def unrotated_key_pages(
             pos = torch.arange(lo * page, hi * page, device=k.device).view(hi - lo, page)
             out[at + lo : at + hi, 0] = rotate(k, -pos, table)
         at += n
-    return out, host_table.to(kv_cache.device, non_blocking=True)
+    return out, turned_table
 
 
 def run_stages_blocks(
