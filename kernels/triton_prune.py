@@ -670,18 +670,25 @@ def unrotated_key_pages(
     blocks: QueryBlocks,
     table: RopeTable,
     k_scale: float | torch.Tensor | None = None,
+    ordinal_chunks: tuple[int, int] | None = None,
+    precision: str = "fp32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys of the requests in ``blocks`` turned back to position 0 (``R(-t) k``, what
-    relative-style pruning scores every probe key at, §2), as a K-only paged cache
+    relative-style pruning scores every probe key at, §2); with ``ordinal_chunks = (sink,
+    chunk_size)``, to the ordinal of the key's first-stage chunk instead (``(t - sink) //
+    chunk_size``, where chunk-indexed style puts it in the first stage). As a K-only paged cache
     ``[n, 1, page, H_kv, D]`` and its block table, shaped and indexed like ``block_table``
     (rows no part of ``blocks`` reads point at page 0; without ``blocks.parts``, every row is
     covered up to ``blocks.max_seq_len``, or its whole capacity where that is 0).
 
     Pruning then reads these keys as they lie instead of rotating each probe in the kernel: a
     key is turned once here, where a 32K-query chunk's probes read it about 200 times at 512K.
-    The rotation is :func:`rope.rotate`'s (float32), rounded to the cache's dtype as a rotated
-    cache is (bf16 for an fp8 cache, dequantized with ``k_scale``). Row ``r`` is covered up to
-    the longest ``seq_len`` of its parts; nothing past it is probed."""
+    The rotation is :func:`rope.rotate`'s (float32; an fp8 cache dequantized with ``k_scale``
+    first). With ``precision`` ``"fp32"`` or ``"ieee"`` (:func:`select_rep_scores_paged`'s,
+    scores as accurate as the reference's) the copy stays float32; otherwise it is rounded to a
+    16-bit cache's dtype, as a rotated cache is, or to bf16 for an fp8 cache (half the memory).
+    Row ``r`` is covered up to the longest ``seq_len`` of its parts; nothing past it is
+    probed."""
     page = kv_cache.shape[2]
     # without parts: every row, up to the blocks' longest request (unknown when resuming a
     # decode refresh: then the table's capacity)
@@ -693,6 +700,8 @@ def unrotated_key_pages(
             lengths[part.row] = max(lengths.get(part.row, 0), part.seq_len)
     fp8 = ref.is_fp8_cache(kv_cache)
     dtype = torch.bfloat16 if fp8 else kv_cache.dtype
+    if precision in ("fp32", "ieee"):
+        dtype = torch.float32
     pages = {row: min(-(-n // page), block_table.shape[1]) for row, n in lengths.items()}
     out = torch.empty(max(sum(pages.values()), 1), 1, page, *kv_cache.shape[3:], dtype=dtype,
                       device=kv_cache.device)  # fmt: skip
@@ -715,7 +724,11 @@ def unrotated_key_pages(
             if fp8:
                 k = ref.dequantize_fp8(k, k_scale)
             pos = torch.arange(lo * page, hi * page, device=k.device).view(hi - lo, page)
-            out[at + lo : at + hi, 0] = rotate(k, -pos, table)
+            target = 0
+            if ordinal_chunks is not None:
+                sink, chunk = ordinal_chunks
+                target = (pos - sink).clamp(min=0) // chunk
+            out[at + lo : at + hi, 0] = rotate(k, target - pos, table)
         at += n
     return out, turned_table
 
@@ -755,8 +768,10 @@ def run_stages_blocks(
     is done as the reference does it. The queries are un-rotated from their true positions and
     placed by torch (small tensors). Relative style puts every probe key at position 0: the
     keys are turned there once per call (:func:`unrotated_key_pages`) and the kernel reads them
-    plainly; chunk-indexed style moves each probe key in-kernel from its true position (see
-    :func:`select_rep_scores_paged`). Blocks whose last query sits below the pruning's remap
+    plainly. Chunk-indexed style does the same in its first stage, where a key's position is
+    its chunk's ordinal over the live context (the queries then move to each block's position
+    instead of the keys); its later stages move each probe key in-kernel from its true position
+    (see :func:`select_rep_scores_paged`). Blocks whose last query sits below the pruning's remap
     threshold keep true positions (queries and keys as given). The rotation tables are sized
     by the block table's capacity and built on the first call.
 
@@ -799,12 +814,21 @@ def run_stages_blocks(
     turned_keys, all_turn = None, False
     if style != "none":
         table = rope_table_on(rope.table, device)
-        if style == "relative":
-            key = ("unrotated_key_pages", tuple(sorted({(p.row, p.seq_len) for p in blocks.parts})))
+        # Keys turned once per call where every probe of a stage would turn the same key by
+        # the same angle: relative style (all stages: position 0) and chunk-indexed style's
+        # first stage (the chunk's ordinal over the live context; later stages' ordinals
+        # follow the surviving list).
+        ordinals = None
+        if style == "chunk-indexed":
+            ordinals = (params.sink_tokens, params.stages[0].chunk_size)
+        if style == "relative" or start_stage == 0:
+            rows_key = tuple(sorted({(p.row, p.seq_len) for p in blocks.parts}))
+            key = ("unrotated_key_pages", ordinals, rows_key)
             if shared is not None and blocks.parts and key in shared:
                 turned_keys = shared[key]
             else:
-                turned_keys = unrotated_key_pages(kv_cache, block_table, blocks, table, k_scale)
+                turned_keys = unrotated_key_pages(kv_cache, block_table, blocks, table, k_scale,
+                                                  ordinals, precision)  # fmt: skip
                 if shared is not None and blocks.parts:
                     shared[key] = turned_keys
             # every block turns when each part's first (finest) block reaches the threshold;
@@ -856,18 +880,24 @@ def run_stages_blocks(
                       q_pooled_right=q_right, block_rows=stage_blocks.row,
                       head_reduction=params.head_reduction,
                       exact=params.exact_last_stage and i == n_stages - 1)  # fmt: skip
-        if turned_keys is None:
+        if turned_keys is None or (style == "chunk-indexed" and i > 0):
             scores = select_rep_scores_paged(
                 q_left, kv_cache, block_table, scored.starts, scored.valid, key_limit,
                 key_rotation=rotation, k_scale=k_scale, v_scale=v_scale, turn_blocks=turn,
                 **common,
             )  # fmt: skip
         else:
-            # turned blocks read the keys turned to 0; the others (below the threshold) the
-            # cache at true positions, in a second launch whose other blocks exit at once
+            # turned blocks read the turned keys; the others (below the threshold) the cache at
+            # true positions, in a second launch whose other blocks exit at once
             at = turn.view(-1, 1)
+            q_turned = q_left
+            if style == "chunk-indexed" and c:
+                # R(j - q_pos - t) k = R(-q_pos) R(j - t) k: the keys hold R(j - t) k, so each
+                # block's queries move to its q_pos instead (base[:, 0] = 0 - q_pos)
+                q_pos = -rotation[0][:, :1]
+                q_turned = rotate(q_left.transpose(1, 2), q_pos, table).transpose(1, 2)
             scores = select_rep_scores_paged(
-                q_left, turned_keys[0], turned_keys[1], scored.starts, scored.valid & at,
+                q_turned, turned_keys[0], turned_keys[1], scored.starts, scored.valid & at,
                 key_limit, **common,
             )  # fmt: skip
             if not all_turn:

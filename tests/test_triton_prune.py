@@ -522,7 +522,7 @@ def rope_params(pruning: str, probe: str, table: RopeTable) -> ref.PruneParams:
 def test_unrotated_key_pages_hold_the_keys_at_position_zero(fp8):
     """Each part's row, read through the returned table, is the un-rotated key the cache was
     written from (fp8: its dequantized value turned back, in bf16); rows no part reads are
-    not copied."""
+    not copied. With ``ordinal_chunks`` a key turns to its first-stage chunk's ordinal."""
     from vllm_infinitehip.kernels.query_blocks import QueryBlocks, RequestPart
 
     t, hkv, d, page = 300, 2, 64, 16
@@ -536,7 +536,10 @@ def test_unrotated_key_pages_hold_the_keys_at_position_zero(fp8):
         cache, dequantized = fp8_of(cache, k_scale, 1.0)
     parts = [RequestPart(0, 0, 20, 250, 270), RequestPart(0, 20, 50, 270, t)]
     blocks = QueryBlocks.plan(parts, 16, DEVICE)
-    pages, turned_table = tp.unrotated_key_pages(cache, block_table, blocks, table, k_scale)
+    # fp8 with the tensor-core precision: a bf16 copy (an fp32 one for the exact precisions)
+    precision = "tf32" if fp8 else "fp32"
+    pages, turned_table = tp.unrotated_key_pages(cache, block_table, blocks, table, k_scale,
+                                                 precision=precision)  # fmt: skip
     assert pages.shape == (-(-t // page), 1, page, hkv, d)
     assert pages.dtype == (torch.bfloat16 if fp8 else torch.float32)
     assert torch.equal(turned_table[1].cpu(), torch.zeros_like(turned_table[1].cpu()))
@@ -545,6 +548,12 @@ def test_unrotated_key_pages_hold_the_keys_at_position_zero(fp8):
     if fp8:  # what the cache holds, turned back
         want = rotate(to_cpu_gathered(dequantized, row, t).cpu(), -torch.arange(t), table)
     torch.testing.assert_close(got, want, rtol=1e-2 if fp8 else 1e-5, atol=1e-2 if fp8 else 1e-5)
+    if not fp8:  # chunk-indexed first stage: sink 16, chunks of 32
+        pages, turned_table = tp.unrotated_key_pages(cache, block_table, blocks, table,
+                                                     ordinal_chunks=(16, 32))  # fmt: skip
+        got = pages[turned_table[0].long()].view(-1, hkv, d)[:t].cpu()
+        ordinal = (torch.arange(t) - 16).clamp(min=0) // 32
+        torch.testing.assert_close(got, rotate(k0, ordinal, table), rtol=1e-5, atol=1e-5)
 
 
 def test_calls_sharing_a_dict_turn_the_keys_back_once(monkeypatch):
