@@ -723,6 +723,8 @@ def unrotated_key_pages(
             k = kv_cache[block_table[row, lo:hi].long(), 0]
             if fp8:
                 k = ref.dequantize_fp8(k, k_scale)
+            elif dtype == torch.float32:  # rotate returns its input's dtype: keep fp32 here
+                k = k.float()
             pos = torch.arange(lo * page, hi * page, device=k.device).view(hi - lo, page)
             target = 0
             if ordinal_chunks is not None:

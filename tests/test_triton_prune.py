@@ -548,6 +548,13 @@ def test_unrotated_key_pages_hold_the_keys_at_position_zero(fp8):
     if fp8:  # what the cache holds, turned back
         want = rotate(to_cpu_gathered(dequantized, row, t).cpu(), -torch.arange(t), table)
     torch.testing.assert_close(got, want, rtol=1e-2 if fp8 else 1e-5, atol=1e-2 if fp8 else 1e-5)
+    if not fp8:  # a bf16 cache under an exact precision: turned in fp32 and kept in fp32
+        half = cache.to(torch.bfloat16)
+        pages, turned_table = tp.unrotated_key_pages(half, block_table, blocks, table)
+        assert pages.dtype == torch.float32
+        got = pages[turned_table[0].long()].view(-1, hkv, d)[:t].cpu()
+        want = rotate(to_cpu_gathered(half.float(), row, t).cpu(), -torch.arange(t), table)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     if not fp8:  # chunk-indexed first stage: sink 16, chunks of 32
         pages, turned_table = tp.unrotated_key_pages(cache, block_table, blocks, table,
                                                      ordinal_chunks=(16, 32))  # fmt: skip
