@@ -78,13 +78,15 @@ class DecodeRows:
     stale_steps: torch.Tensor | None = None
 
 
-def block_extension(params: ref.PruneParams, rows: DecodeRows) -> torch.Tensor | None:
+def block_extension(
+    params: ref.PruneParams, stale_steps: torch.Tensor | None
+) -> torch.Tensor | None:
     """Per row, the tokens each selected block is read past its end
-    (``PruneParams.extend_reused_blocks``): the steps since the blocks were chosen, at most
-    ``block_size_k``; None when blocks are read as chosen."""
-    if not params.extend_reused_blocks or rows.stale_steps is None:
+    (``PruneParams.extend_reused_blocks``): the rows' ``stale_steps`` (:class:`DecodeRows`),
+    at most ``block_size_k``; None when blocks are read as chosen."""
+    if not params.extend_reused_blocks or stale_steps is None:
         return None
-    return rows.stale_steps.clamp(max=params.block_size_k)
+    return stale_steps.clamp(max=params.block_size_k)
 
 
 def stage_widths(params: ref.PruneParams, max_seq_len: int) -> list[int]:
@@ -178,7 +180,7 @@ def attend_reference(
     an fp8 cache (:func:`reference.gather_paged_kv`)."""
     out = torch.zeros_like(q)
     attended = 0
-    extension = block_extension(params, rows)
+    extension = block_extension(params, rows.stale_steps)
     for b, (slot, seq_len) in enumerate(zip(rows.slots.tolist(), rows.seq_lens.tolist())):
         if seq_len <= 0:
             continue

@@ -412,7 +412,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         # blocks read past their end may reach the next page: one more page per block
         per_row += self._final_all.shape[2] * (2 if params.extend_reused_blocks else 1)
         self._tier_pages_per_row = per_row
-        self._tier_block_len = params.block_size_k if params.extend_reused_blocks else None
+        self._tier_params = params
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         plan.bank.allocate_plan(vllm_config.scheduler_config.max_num_seqs * per_row, max_tokens)
         if plan.key_rows is not None:
@@ -435,10 +435,8 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         if num_decodes:
             slots = self._row_slots[:num_decodes]
             levels = self._row_levels[:num_decodes]
-            block_ends = None
-            if self._tier_block_len is not None:  # as dec.block_extension
-                block_ends = self._tier_block_len + self._row_stale[:num_decodes].clamp(
-                    max=self._tier_block_len)
+            extension = dec.block_extension(self._tier_params, self._row_stale[:num_decodes])
+            block_ends = None if extension is None else self._tier_params.block_size_k + extension
             pages = decode_read_pages(
                 m.block_table_tensor[:num_decodes], self._row_seq_lens[:num_decodes], slots,
                 self._final_all, self._counts_all[:, :, -1], *self._tier_window, self.block_size,

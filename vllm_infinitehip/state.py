@@ -121,13 +121,12 @@ class DecodeSlots:
                 out_levels, out_seq_lens, out_stale,
             )  # fmt: skip
             return out_slots, out_levels
-        slots, levels = self._assign_reference(block_table, seq_lens, seq_lens > threshold,
-                                               block_size)  # fmt: skip
+        slots, levels, stale = self._assign_reference(block_table, seq_lens,
+                                                      seq_lens > threshold, block_size)  # fmt: skip
         out_slots.copy_(slots)
         out_levels.copy_(levels)
         out_seq_lens.copy_(seq_lens)
-        steps = self.step[slots.long().clamp(min=0)]
-        out_stale.copy_(torch.where(slots >= 0, stale_steps(steps, self.intervals), 0))
+        out_stale.copy_(stale)
         return out_slots, out_levels
 
     def _assign_reference(
@@ -136,7 +135,7 @@ class DecodeSlots:
         seq_lens: torch.Tensor,
         sparse: torch.Tensor,
         block_size: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n_slots = self.num_slots
         batch = seq_lens.shape[0]
         device = seq_lens.device
@@ -178,7 +177,8 @@ class DecodeSlots:
         bins = torch.where(levels >= 0, levels, self.n_stages + 1).to(torch.int64)
         self.level_counts.index_add_(0, bins, torch.ones_like(bins))
         self.refreshing.copy_(((levels >= 0) & (levels < self.n_stages)).any().view(1))
-        return slots.to(torch.int32), levels.to(torch.int32)
+        stale = torch.where(slots >= 0, stale_steps(steps, self.intervals), 0)
+        return slots.to(torch.int32), levels.to(torch.int32), stale.to(torch.int32)
 
     def release_all(self) -> None:
         """A step with no decode rows keeps nothing."""
