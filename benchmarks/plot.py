@@ -50,6 +50,12 @@ def plot_attention(result: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def _gpus(result: dict, panels: list[tuple]) -> str:
+    """The GPUs of the rows plotted: a row that ran elsewhere than the file's GPU names its own."""
+    names = dict.fromkeys(r.get("gpu", result["gpu"]) for _, rows, *_ in panels for r in rows)
+    return " and ".join(names)
+
+
 def plot_passkey(result: dict, out: Path) -> None:
     """Heatmaps of accuracy by context length (x) and needle depth (y): a row per model, a column
     per backend (the default one, and infinitehip with default settings, or the first compared)."""
@@ -105,7 +111,7 @@ def plot_passkey(result: dict, out: Path) -> None:
             title_lines = max(title_lines, title.count("\n") + 1)
         fig.colorbar(im, ax=ax_row.tolist(), shrink=0.8, label="passkey accuracy")
     # above the first row's titles (8-point lines): the default height overlaps them
-    fig.suptitle(f"passkey retrieval, {result['gpu']}, {result['date']}",
+    fig.suptitle(f"passkey retrieval, {_gpus(result, panels)}, {result['date']}",
                  y=1.0 + (0.1 + 0.14 * title_lines) / fig.get_figheight())
     fig.savefig(out, dpi=110, bbox_inches="tight")
 
@@ -215,9 +221,10 @@ def plot_ruler(result: dict, out: Path) -> None:
                       and r["context"] == trained]
             return sum(scores) / len(scores) if len(scores) == len(tasks_of) else -1.0
 
+        # the settings measured at every 1× task and at the most cells past it, then the best
         rest = [k for k in hip[1:] if at_1x(k) >= 0]
         if rest:
-            shown.append(max(rest, key=at_1x))
+            shown.append(max(rest, key=lambda k: (cells[k], at_1x(k))))
         panels.append((model, [r for r in mine if (r["backend"], r["ops"], r["config"]) in shown],
                        shown))
     ncols = max(len(backends) for _, _, backends in panels)
@@ -252,7 +259,7 @@ def plot_ruler(result: dict, out: Path) -> None:
             ax.set_title(f"{model} (trained {rows[0]['trained_context'] // 1024}K)\n{label}"
                          + (f"\n{textwrap.fill(settings, 48)}" if settings else ""), fontsize=8)
         fig.colorbar(im, ax=ax_row.tolist(), shrink=0.8, label="RULER score")
-    fig.suptitle(f"RULER, {result['gpu']}, {result['date']}", y=0.93 + 0.9 / fig.get_figheight())
+    fig.suptitle(f"RULER, {_gpus(result, panels)}, {result['date']}", y=0.93 + 0.9 / fig.get_figheight())
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
