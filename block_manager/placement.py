@@ -107,3 +107,39 @@ def victim_order(
     for _, block in ranked:
         if homes.on_gpu(block):
             yield block
+
+
+@dataclass(frozen=True)
+class SplitCapacity:
+    """How many blocks vLLM may hand out (``num_blocks``) and how many of their V pages live on
+    the GPU (``gpu_pages``) and on the host (``host_pages``)."""
+
+    num_blocks: int
+    gpu_pages: int
+    host_pages: int
+
+
+def split_capacity(
+    gpu_bytes: int, host_bytes: int, k_block_bytes: int, v_block_bytes: int, min_gpu_pages: int
+) -> SplitCapacity:
+    """The most blocks that fit when every block's K is in HBM (``k_block_bytes`` each, all
+    layers) and its V (``v_block_bytes``) on one of the two sides: ``num_blocks * K +
+    gpu_pages * V <= gpu_bytes`` and ``host_pages * V <= host_bytes``. At least
+    ``min_gpu_pages`` V pages stay on the GPU (a step's new blocks are homed there). When
+    everything fits the GPU the host holds nothing. Raises ``ValueError`` when the GPU cannot
+    hold ``min_gpu_pages`` blocks."""
+    if min(k_block_bytes, v_block_bytes, min_gpu_pages) <= 0:
+        raise ValueError("block sizes and min_gpu_pages must be positive")
+    block = k_block_bytes + v_block_bytes
+    if gpu_bytes < min_gpu_pages * block:
+        raise ValueError(
+            f"{gpu_bytes} bytes on the GPU hold fewer than {min_gpu_pages} blocks of "
+            f"{block} bytes"
+        )
+    # K for every block and V for the rest of the GPU: N K + (N - h) V <= G, h V <= H
+    host = host_bytes // v_block_bytes
+    n = min((gpu_bytes + host * v_block_bytes) // block,
+            (gpu_bytes - min_gpu_pages * v_block_bytes) // k_block_bytes)  # fmt: skip
+    n = max(n, gpu_bytes // block)  # never fewer than the GPU alone holds
+    gpu_pages = min(n, (gpu_bytes - n * k_block_bytes) // v_block_bytes)
+    return SplitCapacity(num_blocks=n, gpu_pages=gpu_pages, host_pages=n - gpu_pages)

@@ -213,6 +213,38 @@ class KeyRows:
     state: torch.Tensor
 
 
+@dataclass(frozen=True)
+class SplitV:
+    """Where one layer's V pages are when the host tier splits K from V
+    (``block_manager.placement``): K stays in a plane indexed by block id (``kv_cache`` of shape
+    ``[num_blocks, 1, block_size, H_kv, D]``), each block's V has one home, on the GPU or on the
+    host, and a GPU bank may hold copies of host pages.
+
+    - ``v_dev [S, block_size, H_kv, D]``: GPU pages, the GPU homes and the bank's slots;
+    - ``v_host [N_h, block_size, H_kv, D]``: host pages (the GPU's view of pinned memory);
+    - ``table [num_blocks]`` int32, this layer's reads: ``>= 0`` a page of ``v_dev`` (the home,
+      or a bank copy of a host page), ``< 0`` host page ``-1 - table[b]``;
+    - ``home [num_blocks]`` int32, shared by the layers, where writes go: ``>= 0`` a page of
+      ``v_dev``, ``< 0`` host page ``-1 - home[b]``. A write to a block whose ``table`` entry is
+      a bank copy (``table >= 0 > home``) goes to the copy as well.
+
+    fp8 pages are uint8 like the cache."""
+
+    v_dev: torch.Tensor
+    v_host: torch.Tensor
+    table: torch.Tensor
+    home: torch.Tensor
+
+
+def split_v_pages(split: SplitV, blocks: torch.Tensor) -> torch.Tensor:
+    """The V pages ``[n, block_size, H_kv, D]`` of ``blocks`` (int64), each read where
+    ``split.table`` places it."""
+    slot = split.table[blocks].long()
+    dev = _bytes(split.v_dev).index_select(0, slot.clamp(min=0))
+    host = _bytes(split.v_host).index_select(0, (-1 - slot).clamp(min=0))
+    return torch.where((slot >= 0).view(-1, 1, 1, 1), dev, host)
+
+
 def gather_paged_kv(
     kv_cache: torch.Tensor,
     block_table_row: torch.Tensor,
@@ -220,13 +252,16 @@ def gather_paged_kv(
     bank: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     key_rows: KeyRows | None = None,
+    split: SplitV | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one request as contiguous ``[seq_len, H_kv, D]`` tensors.
 
-    ``kv_cache`` is this plugin's layout ``[num_blocks, 2, block_size, H_kv, D]``. With
+    ``kv_cache`` is this plugin's layout ``[num_blocks, 2, block_size, H_kv, D]``; with ``split``
+    (:class:`SplitV`) it is the K plane ``[num_blocks, 1, block_size, H_kv, D]`` and V is read
+    where ``split`` places each block. With
     ``bank = (pages, table)`` (the host tier's GPU cache, as the kernels take it) a page whose
     ``table`` entry holds a slot is read from ``pages`` instead; with ``key_rows``
     (:class:`KeyRows`, what the pruning stages read) a K row that it holds is read there.
@@ -246,6 +281,10 @@ def gather_paged_kv(
     n_blocks = (seq_len + block_size - 1) // block_size
     blocks = block_table_row[:n_blocks].long()
     kv = _bytes(kv_cache).index_select(0, blocks)  # [n, 2, bs, H, D]
+    if split is not None:
+        if bank is not None or kv_cache.shape[1] != 1:
+            raise ValueError("a split cache is a K plane [num_blocks, 1, ...] without a page bank")
+        kv = torch.stack([kv[:, 0], split_v_pages(split, blocks)], dim=1)
     if bank is not None:
         pages, table = bank
         slot = table[blocks].long()
@@ -275,12 +314,19 @@ def write_paged_kv(
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    split: SplitV | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
 ) -> None:
     """Store new tokens' K/V at their slots; negative slots (padding) are skipped. An fp8 cache
     stores :func:`quantize_fp8` of ``key / k_scale`` and ``value / v_scale``, as vLLM's
-    ``triton_reshape_and_cache_flash`` does on the GPU; other caches ignore the scales."""
+    ``triton_reshape_and_cache_flash`` does on the GPU; other caches ignore the scales.
+
+    With ``split`` (:class:`SplitV`) ``kv_cache`` is the K plane: V goes to the block's home,
+    and to its bank copy where the layer's table reads one."""
+    if split is not None:
+        _write_split_kv(kv_cache, split, key, value, slot_mapping, k_scale, v_scale)
+        return
     fp8 = is_fp8_cache(kv_cache)
     if fp8:
         k_scale = _scale_of(k_scale, "k_scale", kv_cache.device)
@@ -300,6 +346,36 @@ def write_paged_kv(
         return
     kv_cache[blocks, 0, offsets] = key.to(kv_cache.dtype)
     kv_cache[blocks, 1, offsets] = value.to(kv_cache.dtype)
+
+
+def _write_split_kv(
+    k_plane: torch.Tensor,
+    split: SplitV,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float | torch.Tensor | None,
+    v_scale: float | torch.Tensor | None,
+) -> None:
+    n = slot_mapping.shape[0]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    key, value = key[:n][keep], value[:n][keep]
+    if is_fp8_cache(k_plane):
+        key = _bytes(quantize_fp8(key, _scale_of(k_scale, "k_scale", key.device)))
+        value = _bytes(quantize_fp8(value, _scale_of(v_scale, "v_scale", key.device)))
+    else:
+        key, value = key.to(k_plane.dtype), value.to(k_plane.dtype)
+    block_size = k_plane.shape[2]
+    blocks, offsets = slots // block_size, slots % block_size
+    _bytes(k_plane)[blocks, 0, offsets] = key
+    home = split.home[blocks].long()
+    on_dev = home >= 0
+    _bytes(split.v_dev)[home[on_dev], offsets[on_dev]] = value[on_dev]
+    _bytes(split.v_host)[-1 - home[~on_dev], offsets[~on_dev]] = value[~on_dev]
+    copy = split.table[blocks].long()
+    banked = ~on_dev & (copy >= 0)
+    _bytes(split.v_dev)[copy[banked], offsets[banked]] = value[banked]
 
 
 # --------------------------------------------------------------------------- query blocks

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import FP8_DTYPE, FP8_MAX, SplitV, is_fp8_cache
+
 _BLOCK = 4096  # elements of a page one program copies
 
 
@@ -155,3 +157,91 @@ def promote_key_rows_reference(key_rows) -> None:
     key_rows.state[1] = (ring + n) % n_slots
     key_rows.state[4] += n
     key_rows.state[0] = 0
+
+
+# --------------------------------------------------------------------------- split K / V writes
+@triton.jit
+def _write_split_kernel(
+    key_ptr,
+    value_ptr,
+    slot_ptr,
+    home_ptr,
+    table_ptr,
+    k_plane_ptr,
+    v_dev_ptr,
+    v_host_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_key,
+    stride_value,
+    block_size,
+    tok_elems,
+    FP8_MAX: tl.constexpr,
+    ROW: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    # one program per token: its K row to the K plane, its V row to the block's home, and to
+    # the layer's bank copy of a host page when there is one (write-through)
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // block_size
+    offs = tl.arange(0, ROW)
+    ok = offs < tok_elems
+    k = tl.load(key_ptr + t.to(tl.int64) * stride_key + offs, mask=ok)
+    v = tl.load(value_ptr + t.to(tl.int64) * stride_value + offs, mask=ok)
+    if KV_FP8:
+        # as vLLM's cache write: x / scale, saturated at the e4m3 range, then rounded
+        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX, FP8_MAX)
+    k = k.to(k_plane_ptr.dtype.element_ty)
+    v = v.to(v_dev_ptr.dtype.element_ty)
+    # pages are [block_size, H, D] contiguous in every plane
+    in_page = (slot % block_size) * tok_elems + offs
+    page_elems = block_size * tok_elems
+    tl.store(k_plane_ptr + block * page_elems + in_page, k, mask=ok)
+    home = tl.load(home_ptr + block).to(tl.int64)
+    if home >= 0:
+        tl.store(v_dev_ptr + home * page_elems + in_page, v, mask=ok)
+    else:
+        tl.store(v_host_ptr + (-1 - home) * page_elems + in_page, v, mask=ok)
+        copy = tl.load(table_ptr + block).to(tl.int64)
+        if copy >= 0:
+            tl.store(v_dev_ptr + copy * page_elems + in_page, v, mask=ok)
+
+
+def write_split_kv(
+    k_plane: torch.Tensor,
+    split: SplitV,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """``reference.write_paged_kv(k_plane, key, value, slot_mapping, split=split)`` in one launch
+    with no host sync: K to the plane ``[num_blocks, 1, block, H, D]``, V to each block's home
+    and to its bank copy. ``key`` / ``value`` ``[T, H, D]`` may be rows of a wider tensor (vLLM's
+    fused qkv), with each row's heads contiguous. Negative slots are skipped. An fp8 plane
+    (uint8 storage) stores e4m3 of ``x / scale``, saturated, as vLLM's write does."""
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    _, _, block_size, h, d = k_plane.shape
+    fp8 = is_fp8_cache(k_plane)
+    for name, t in (("key", key), ("value", value)):
+        if t.stride(-1) != 1 or t.stride(-2) != d:
+            raise ValueError(f"{name} rows must hold their heads contiguously, got {t.stride()}")
+    if not (k_plane.is_contiguous() and split.v_dev.is_contiguous()
+            and split.v_host.is_contiguous()):  # fmt: skip
+        raise ValueError("the K plane and V pages must be contiguous")
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an fp8 cache needs k_scale and v_scale to be written")
+    planes = [t.view(FP8_DTYPE) if fp8 else t for t in (k_plane, split.v_dev, split.v_host)]
+    scales = (k_scale, v_scale) if fp8 else (slot_mapping, slot_mapping)
+    _write_split_kernel[(n,)](
+        key, value, slot_mapping, split.home, split.table, *planes, *scales,
+        key.stride(0), value.stride(0), block_size, h * d, FP8_MAX=FP8_MAX,
+        ROW=triton.next_power_of_2(h * d), KV_FP8=fp8,
+    )  # fmt: skip

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .query_blocks import QueryBlocks
-from .reference import FP8_DTYPE, is_fp8_cache
+from .reference import FP8_DTYPE, SplitV, is_fp8_cache
 from .rope import RopeTable
 from .triton_rope import (
     LO_BITS,
@@ -89,18 +89,48 @@ def paged_rows(
 
 
 @triton.jit
-def _load_rows(
-    rows, ok, offs_d, d_ok, stride_kv, stride_d, k_scale, v_scale, KV_FP8: tl.constexpr
+def split_rows(
+    kv_ptr,
+    bt_row_ptr,
+    stride_btp,
+    t,
+    ok,
+    kv_head,
+    stride_page,
+    stride_tok,
+    stride_head,
+    v_dev_ptr,
+    v_host_ptr,
+    table_ptr,
+    stride_vpage,
+    PAGE_SIZE: tl.constexpr,
 ):
-    """K and V ``[BLOCK_N, BLOCK_D]`` at ``rows`` (:func:`paged_rows`); zeros where ``~ok``.
+    """Pointers to the K rows (in the K plane ``kv_ptr``) and the V rows of tokens ``t`` of one
+    request and KV head when the host tier splits V from K (``reference.SplitV``): a block's V
+    is on the GPU page ``table[block]`` of ``v_dev`` when that is ``>= 0``, else on host page
+    ``-1 - table[block]``. The planes share their layout within a page."""
+    t = tl.where(ok, t, 0)
+    page = tl.load(bt_row_ptr + (t // PAGE_SIZE) * stride_btp, mask=ok, other=0).to(tl.int64)
+    in_page = (t % PAGE_SIZE).to(tl.int64) * stride_tok + kv_head * stride_head
+    slot = tl.load(table_ptr + page, mask=ok, other=0).to(tl.int64)
+    v_rows = tl.where(slot >= 0, v_dev_ptr + slot * stride_vpage + in_page,
+                      v_host_ptr + (-1 - slot) * stride_vpage + in_page)  # fmt: skip
+    return kv_ptr + page * stride_page + in_page, v_rows
+
+
+@triton.jit
+def _load_rows(
+    rows, v_rows, ok, offs_d, d_ok, stride_d, k_scale, v_scale, KV_FP8: tl.constexpr
+):
+    """K ``[BLOCK_N, BLOCK_D]`` at ``rows`` and V at ``v_rows`` (:func:`paged_rows`, whose V is at
+    ``rows + stride_kv``, or :func:`split_rows`); zeros where ``~ok``.
 
     ``KV_FP8``: the cache holds e4m3 values, dequantized here as ``float32(x) * scale`` (what
     ``reference.gather_paged_kv`` returns); the rows stay float32 until ``_attend`` casts them
     to the dot's dtype, as it casts a 16-bit cache's rows."""
-    ptrs = rows[:, None] + offs_d[None, :] * stride_d
     mask = ok[:, None] & d_ok[None, :]
-    k = tl.load(ptrs, mask=mask, other=0.0)
-    v = tl.load(ptrs + stride_kv, mask=mask, other=0.0)
+    k = tl.load(rows[:, None] + offs_d[None, :] * stride_d, mask=mask, other=0.0)
+    v = tl.load(v_rows[:, None] + offs_d[None, :] * stride_d, mask=mask, other=0.0)
     if KV_FP8:
         k = k.to(tl.float32) * k_scale
         v = v.to(tl.float32) * v_scale
@@ -144,20 +174,21 @@ def _load_kv(
         kv_ptr, bt_row_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
         kv_ptr, bt_row_ptr, 0, PAGE_SIZE, False,
     )  # fmt: skip
-    return _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d, k_scale, v_scale, KV_FP8)
+    return _load_rows(rows, rows + stride_kv, ok, offs_d, d_ok, stride_d, k_scale, v_scale,
+                      KV_FP8)  # fmt: skip
 
 
 @triton.jit
 def _attend_rows(
     q,
     rows,
+    v_rows,
     ok,
     acc,
     m_i,
     l_i,
     offs_d,
     d_ok,
-    stride_kv,
     stride_d,
     k_scale,
     v_scale,
@@ -168,8 +199,8 @@ def _attend_rows(
     USE_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """:func:`_attend` over the keys at ``rows`` (:func:`paged_rows`) as cached."""
-    k, v = _load_rows(rows, ok, offs_d, d_ok, stride_kv, stride_d, k_scale, v_scale, KV_FP8)
+    """:func:`_attend` over the keys at ``rows`` and values at ``v_rows`` as cached."""
+    k, v = _load_rows(rows, v_rows, ok, offs_d, d_ok, stride_d, k_scale, v_scale, KV_FP8)
     return _attend(q, k, v, ok[None, :], acc, m_i, l_i, qk_scale, cap_log2e, inv_cap_scale,
                    USE_SOFT_CAP, DOT_PRECISION)  # fmt: skip
 
@@ -181,12 +212,12 @@ def _attend_rotated(
     qb,
     qp,
     rows,
+    v_rows,
     ok,
     delta,
     acc,
     m_i,
     l_i,
-    stride_kv,
     stride_d,
     offs_d,
     d_ok,
@@ -209,7 +240,7 @@ def _attend_rotated(
     USE_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """:func:`_attend` over the keys at ``rows`` (:func:`paged_rows`) turned by ``delta`` each
+    """:func:`_attend` over the keys at ``rows`` turned by ``delta`` each, values at ``v_rows``
     (identity where ``delta == 0``), all rows of the tile valid where ``ok``.
 
     The queries come split as :func:`triton_rope.load_split` splits the keys (``qa``, ``qb``,
@@ -227,7 +258,7 @@ def _attend_rotated(
     s += tl.dot(qb, tl.trans(kb.to(qa.dtype)), input_precision=DOT_PRECISION)
     if BLOCK_P > 0:
         s += tl.dot(qp, tl.trans(kp.to(qa.dtype)), input_precision=DOT_PRECISION)
-    v = tl.load(rows[:, None] + stride_kv + offs_d[None, :] * stride_d,
+    v = tl.load(v_rows[:, None] + offs_d[None, :] * stride_d,
                 mask=ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
     if KV_FP8:
         v = v.to(tl.float32) * v_scale
@@ -307,6 +338,7 @@ def _decode_split_kernel(
     bank_ptr,
     table_ptr,
     stride_slot,
+    v_host_ptr,
     k_scale_ptr,
     v_scale_ptr,
     stride_qb,
@@ -333,6 +365,7 @@ def _decode_split_kernel(
     HAS_SLOTS: tl.constexpr,
     HAS_STATS: tl.constexpr,
     HAS_BANK: tl.constexpr,
+    SPLIT_V: tl.constexpr,
     EXTEND: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -450,10 +483,18 @@ def _decode_split_kernel(
             sel_ok = tl.where(remap, sel & (t_sel >= 0) & (t_sel < win_lo), sel_ok)
         t = tl.where(in_sw, t_sw, t_sel)
         ok = tl.where(in_sw, live, sel_ok)
-        rows = paged_rows(
-            kv_ptr, bt_row, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
-            bank_ptr, table_ptr, stride_slot, PAGE_SIZE, HAS_BANK,
-        )  # fmt: skip
+        if SPLIT_V:
+            # the host tier's split: K in the plane, V at its home or bank copy
+            rows, v_rows = split_rows(
+                kv_ptr, bt_row, stride_btp, t, ok, kv_head, stride_page, stride_tok,
+                stride_head, bank_ptr, v_host_ptr, table_ptr, stride_slot, PAGE_SIZE,
+            )  # fmt: skip
+        else:
+            rows = paged_rows(
+                kv_ptr, bt_row, stride_btp, t, ok, kv_head, stride_page, stride_tok,
+                stride_head, bank_ptr, table_ptr, stride_slot, PAGE_SIZE, HAS_BANK,
+            )  # fmt: skip
+            v_rows = rows + stride_kv
         # (constexpr branches outermost: the compiler visits both sides of a runtime branch)
         if STREAMING:
             far = ok & ((vi < sink_len) | ~in_sw) & remap
@@ -461,20 +502,20 @@ def _decode_split_kernel(
                 slot = tl.where(in_sw, vi, sel_slot0 + vs)
                 delta = tl.where(far, tl.maximum(slot + first, 0) - t, 0)
                 acc, m_i, l_i = _attend_rotated(
-                    q, qa, qb, qp, rows, ok, delta, acc, m_i, l_i, stride_kv, stride_d, offs_d,
+                    q, qa, qb, qp, rows, v_rows, ok, delta, acc, m_i, l_i, stride_d, offs_d,
                     d_ok, HEAD_DIM, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, k_scale,
                     v_scale, qk_scale, cap_log2e, inv_cap_scale, KV_FP8, ROT_DIM, IS_NEOX,
                     LO_BITS, BLOCK_F, BLOCK_P, USE_SOFT_CAP, DOT_PRECISION,
                 )  # fmt: skip
             else:
                 acc, m_i, l_i = _attend_rows(
-                    q, rows, ok, acc, m_i, l_i, offs_d, d_ok, stride_kv, stride_d, k_scale,
+                    q, rows, v_rows, ok, acc, m_i, l_i, offs_d, d_ok, stride_d, k_scale,
                     v_scale, qk_scale, cap_log2e, inv_cap_scale, KV_FP8, USE_SOFT_CAP,
                     DOT_PRECISION,
                 )  # fmt: skip
         else:
             acc, m_i, l_i = _attend_rows(
-                q, rows, ok, acc, m_i, l_i, offs_d, d_ok, stride_kv, stride_d, k_scale, v_scale,
+                q, rows, v_rows, ok, acc, m_i, l_i, offs_d, d_ok, stride_d, k_scale, v_scale,
                 qk_scale, cap_log2e, inv_cap_scale, KV_FP8, USE_SOFT_CAP, DOT_PRECISION,
             )  # fmt: skip
 
@@ -614,7 +655,8 @@ def _prefill_streaming(
         )  # fmt: skip
         delta = tl.maximum(sel_slot0 + vi + first, 0) - t
         acc, m_i, l_i = _attend_rotated(
-            q, qa, qb, qp, rows, ok, delta, acc, m_i, l_i, stride_kv, stride_d, offs_d, d_ok,
+            q, qa, qb, qp, rows, rows + stride_kv, ok, delta, acc, m_i, l_i, stride_d, offs_d,
+            d_ok,
             HEAD_DIM, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, k_scale, v_scale,
             qk_scale, cap_log2e, inv_cap_scale, KV_FP8, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F,
             BLOCK_P, USE_SOFT_CAP, DOT_PRECISION,
@@ -631,7 +673,8 @@ def _prefill_streaming(
         )  # fmt: skip
         delta = tl.maximum(t + first, 0) - t
         acc, m_i, l_i = _attend_rotated(
-            q, qa, qb, qp, rows, ok, delta, acc, m_i, l_i, stride_kv, stride_d, offs_d, d_ok,
+            q, qa, qb, qp, rows, rows + stride_kv, ok, delta, acc, m_i, l_i, stride_d, offs_d,
+            d_ok,
             HEAD_DIM, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, k_scale, v_scale,
             qk_scale, cap_log2e, inv_cap_scale, KV_FP8, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F,
             BLOCK_P, USE_SOFT_CAP, DOT_PRECISION,
@@ -906,11 +949,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _check_kv(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[int, int, int]:
-    """``(group, head_dim, page_size)`` after checking that q and the cache agree."""
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+def _check_kv(q: torch.Tensor, kv_cache: torch.Tensor, planes: int = 2) -> tuple[int, int, int]:
+    """``(group, head_dim, page_size)`` after checking that q and the cache agree (``planes``:
+    2, K and V, or 1, the K plane of a split cache)."""
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != planes:
         raise ValueError(
-            f"kv_cache must be [num_pages, 2, page_size, H_kv, D], got {tuple(kv_cache.shape)}"
+            f"kv_cache must be [num_pages, {planes}, page_size, H_kv, D], got "
+            f"{tuple(kv_cache.shape)}"
         )
     hq, d = q.shape[-2], q.shape[-1]
     hkv = kv_cache.shape[3]
@@ -942,6 +987,19 @@ def _streaming_args(
     meta = dict(STREAMING=True, ROT_DIM=rope.rotary_dim, IS_NEOX=rope.is_neox, LO_BITS=LO_BITS,
                 BLOCK_F=block_f, BLOCK_P=block_p)  # fmt: skip
     return (tables.hi, tables.lo, tables.bias, tables.n_hi), meta
+
+
+def check_split(split: SplitV, kv_cache: torch.Tensor) -> None:
+    """The kernels address a V page with the K plane's strides within a page."""
+    for name in ("v_dev", "v_host"):
+        pages = getattr(split, name)
+        if pages.dtype != kv_cache.dtype or pages.stride()[1:] != kv_cache.stride()[2:]:
+            raise ValueError(
+                f"split.{name} must have the K plane's dtype and page layout: {pages.dtype} "
+                f"{pages.stride()[1:]} vs {kv_cache.dtype} {kv_cache.stride()[2:]}"
+            )
+    if split.table.dtype != torch.int32 or split.table.shape[0] < kv_cache.shape[0]:
+        raise ValueError("split.table is int32 with an entry per block")
 
 
 def check_bank(
@@ -1076,6 +1134,7 @@ def sparse_decode_attention(
     v_scale: float | torch.Tensor | None = None,
     trained_context: int = 0,
     stale_steps: torch.Tensor | None = None,
+    split: SplitV | None = None,
 ) -> torch.Tensor:
     """Block-sparse attention of one decode query per request; returns ``[B, Hq, D]`` in q's dtype.
 
@@ -1122,11 +1181,22 @@ def sparse_decode_attention(
     ``min(stale_steps[b], block_size_k)`` tokens past its end, as
     ``reference.sparse_attention(..., extend_blocks=...)`` does (the decode steps since the
     row's blocks were chosen, :func:`vllm_infinitehip.state.stale_steps`).
+
+    ``split`` (``reference.SplitV``, no ``bank``): ``kv_cache`` is the K plane
+    ``[num_blocks, 1, page, H_kv, D]`` and each block's V is read where ``split.table`` places
+    it, on a GPU page or in host memory, as ``reference.gather_paged_kv(split=...)`` reads it.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
-    group, d, page_size = _check_kv(q, kv_cache)
-    bank_pages, bank_table = check_bank(bank, kv_cache)
+    group, d, page_size = _check_kv(q, kv_cache, planes=1 if split is not None else 2)
+    if split is not None:
+        if bank is not None:
+            raise ValueError("a split cache reads host pages through split.table, not a bank")
+        check_split(split, kv_cache)
+        bank_pages, bank_table, v_host = split.v_dev, split.table, fp8_view(split.v_host)
+    else:
+        bank_pages, bank_table = check_bank(bank, kv_cache)
+        v_host = kv_cache
     kv_cache, k_sc, v_sc, kv_fp8 = kv_quant_args(kv_cache, k_scale, v_scale)
     bank_pages = fp8_view(bank_pages)
     batch, hq = q.shape[0], q.shape[1]
@@ -1153,12 +1223,12 @@ def sparse_decode_attention(
         q, kv_cache, block_table, seq_lens, block_starts, num_valid_blocks,
         seq_lens if row_slots is None else row_slots,
         seq_lens if stale_steps is None else stale_steps, seq_lens if stats is None else stats,
-        part_o, part_lse, hi_t, lo_t, bank_pages, bank_table, bank_pages.stride(0), k_sc, v_sc,
-        *q.stride(), *kv_cache.stride(),
+        part_o, part_lse, hi_t, lo_t, bank_pages, bank_table, bank_pages.stride(0), v_host,
+        k_sc, v_sc, *q.stride(), *kv_cache.stride(),
         *block_table.stride(), *block_starts.stride(), num_valid_blocks.stride(0),
         sink_tokens, window_tokens, trained_context, qk_scale, cap_log2e, inv_cap_scale, bias,
         n_hi, HAS_SLOTS=row_slots is not None, HAS_STATS=stats is not None,
-        HAS_BANK=bank is not None, EXTEND=stale_steps is not None,
+        HAS_BANK=bank is not None, SPLIT_V=split is not None, EXTEND=stale_steps is not None,
         NUM_HEADS=hq, GROUP=group, BLOCK_H=block_h, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
         USE_SOFT_CAP=logit_soft_cap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),

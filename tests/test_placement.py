@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 import pytest
 
-from vllm_infinitehip.block_manager.placement import VHomes, victim_order
+from vllm_infinitehip.block_manager.placement import VHomes, split_capacity, victim_order
 
 
 def assert_homes_are_a_permutation(h: VHomes) -> None:
@@ -84,3 +86,42 @@ def test_too_many_new_blocks_for_the_gpu_is_an_error():
     h = VHomes(8, 2)
     with pytest.raises(RuntimeError, match="3 blocks are new in one step"):
         h.place([5, 6, 7], victim_order(h, {"a": [5, 6, 7]}, free_lru=[0, 1]))
+
+
+def brute_force_capacity(gpu, host, k, v, min_gpu):
+    """The largest N (and its most GPU pages) by trying every split, an independent oracle."""
+    best = None
+    for n in range(0, gpu // k + 1):
+        for g in range(min(n, (gpu - n * k) // v) if n * k <= gpu else -1, -1, -1):
+            if g >= min_gpu and (n - g) * v <= host:
+                best = (n, g) if best is None or n > best[0] else best
+                break
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_split_capacity_is_the_largest_block_count_that_fits(seed):
+    rng = np.random.default_rng(seed)
+    k, v = int(rng.integers(1, 6)), int(rng.integers(1, 6))
+    min_gpu = int(rng.integers(1, 4))
+    gpu = int(rng.integers(min_gpu * (k + v), 120))
+    host = int(rng.integers(0, 120))
+    cap = split_capacity(gpu, host, k, v, min_gpu)
+    n, g = brute_force_capacity(gpu, host, k, v, min_gpu)
+    assert (cap.num_blocks, cap.gpu_pages) == (n, g)
+    assert cap.host_pages == n - g
+    assert cap.num_blocks * k + cap.gpu_pages * v <= gpu and cap.host_pages * v <= host
+
+
+def test_split_capacity_of_3m_tokens_on_an_h200():
+    """Llama-3-8B fp8 (16-token blocks: 512 KiB of K and of V over 32 layers), 116 GiB of GPU
+    and 100 GiB of pinned host for KV: all 216 GiB hold KV, about 3.5M tokens."""
+    gib, kib = 1 << 30, 1 << 10
+    cap = split_capacity(116 * gib, 100 * gib, 512 * kib, 512 * kib, 1024)
+    assert cap.num_blocks == 216 * gib // (1024 * kib)
+    assert 3_500_000 < cap.num_blocks * 16 < 3_600_000
+    assert cap.host_pages * 512 * kib <= 100 * gib
+    # what fits the GPU alone stays there
+    assert split_capacity(116 * gib, 0, 512 * kib, 512 * kib, 1024).host_pages == 0
+    with pytest.raises(ValueError, match="fewer than"):
+        split_capacity(100 * kib, gib, 512 * kib, 512 * kib, 1)

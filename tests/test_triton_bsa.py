@@ -694,6 +694,141 @@ def test_decode_bank_must_match_the_cache_layout():
         tb.sparse_decode_attention(*args, **kw, bank=(pages, res.long()))
 
 
+# --------------------------------------------------------------------------- split K / V
+def split_of(kv: torch.Tensor, gen: torch.Generator, poison=float("nan")):
+    """``kv`` as the host tier splits it: a K plane, and each block's V at a random home, a
+    third on the GPU and the rest on the host, half of those with a bank copy on the GPU.
+    Every GPU page that holds no V, and the host copy of every banked page, is ``poison``: a
+    read that goes anywhere but where ``table`` points poisons the result. Returns the K plane,
+    the split, and the split whose banked host pages are intact (what writes must keep)."""
+    n = kv.shape[0]
+    order = torch.randperm(n, generator=gen)
+    on_dev, on_host = order[: n // 3], order[n // 3 :]
+    banked = on_host[: on_host.numel() // 2]
+    n_dev = on_dev.numel() + banked.numel() + 2  # two spare pages
+    dev_slots = torch.randperm(n_dev, generator=gen)
+    host_pages = torch.randperm(on_host.numel() + 1, generator=gen)
+    home = torch.empty(n, dtype=torch.int32)
+    home[on_dev] = dev_slots[: on_dev.numel()].int()
+    home[on_host] = (-1 - host_pages[: on_host.numel()]).int()
+    table = home.clone()
+    table[banked] = dev_slots[on_dev.numel() : on_dev.numel() + banked.numel()].int()
+    v = kv[:, 1].cpu()
+    v_dev = torch.full((n_dev, *v.shape[1:]), poison, dtype=torch.float32).to(v.dtype)
+    v_host = torch.full((on_host.numel() + 1, *v.shape[1:]), poison, dtype=torch.float32)
+    v_host = v_host.to(v.dtype)
+    v_dev[home[on_dev].long()] = v[on_dev]
+    v_dev[table[banked].long()] = v[banked]
+    v_host[(-1 - home[on_host]).long()] = v[on_host]
+    intact = v_host.clone()
+    v_host[(-1 - home[banked]).long()] = poison
+    plane = kv[:, :1].clone()
+    to = dict(device=kv.device)
+    split = ref.SplitV(v_dev.to(**to), v_host.to(**to), table.to(**to), home.to(**to))
+    return plane, split, ref.SplitV(split.v_dev.clone(), intact.to(**to), split.table, split.home)
+
+
+@pytest.mark.parametrize("rope", [None, NEOX64], ids=["true-positions", "streaming"])
+def test_decode_reads_split_v_where_its_table_places_it(rope, poisoned_workspace):
+    """K from the plane, V from its GPU home, its bank copy or the host: bit-identical to the
+    cache those bytes came from, with every other V page poisoned; the reference reads the same."""
+    gen = torch.Generator().manual_seed(13)
+    seq_lens = [700, 300, 90]
+    kv, table = paged_cache(seq_lens, 16, 2, 64, torch.float32, gen)
+    rows = [random_starts(s, 12, n, 8, True, gen) for s, n in zip(seq_lens, [9, 12, 3])]
+    starts = torch.stack([r[0] for r in rows]).to(DEVICE)
+    n_valid = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), 8, 64, generator=gen).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([0, 1, -1], dtype=torch.int32, device=DEVICE)
+    plane, split, _ = split_of(kv, gen)
+
+    def decode(cache, **kw):
+        return tb.sparse_decode_attention(
+            q, cache, table, lens, starts, n_valid, block_size_k=8, sink_tokens=16,
+            window_tokens=64, scale=0.125, num_splits=3, rope=rope, row_slots=slots, **kw,
+        )  # fmt: skip
+
+    want = decode(kv)
+    assert not torch.isnan(want).any()
+    assert torch.equal(decode(plane, split=split), want)
+    for b, n in enumerate(seq_lens):
+        k, v = ref.gather_paged_kv(plane, table[b], n, split=split)
+        assert torch.equal(torch.stack([k, v]), torch.stack(ref.gather_paged_kv(kv, table[b], n)))
+    with pytest.raises(ValueError, match="page layout"):
+        decode(plane, split=ref.SplitV(split.v_dev.half(), split.v_host, split.table, split.home))
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        decode(kv, split=split)
+
+
+def test_decode_reads_a_split_fp8_cache_as_the_dequantized_one(poisoned_workspace):
+    gen = torch.Generator().manual_seed(14)
+    seq_lens = [400, 120]
+    kv, table = paged_cache(seq_lens, 16, 2, 64, torch.float32, gen)
+    stored, deq = fp8_of(3 * kv, *FP8_SCALES)
+    rows = [random_starts(s, 12, n, 8, True, gen) for s, n in zip(seq_lens, [9, 3])]
+    starts = torch.stack([r[0] for r in rows]).to(DEVICE)
+    n_valid = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), 8, 64, generator=gen).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    k_scale, v_scale = layer_scales()
+    # 0x7E (448) poisons: the interpreter decodes the e4m3fn NaN byte as 480
+    plane, split, _ = split_of(stored, gen, poison=0x7E)
+    args = (q, None, table, lens, starts, n_valid)
+    kw = dict(block_size_k=8, sink_tokens=16, window_tokens=64, scale=0.125, num_splits=2)
+    want = tb.sparse_decode_attention(*args[:1], deq, *args[2:], **kw)
+    got = tb.sparse_decode_attention(*args[:1], plane, *args[2:], **kw, split=split,
+                                     k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_split_writes_equal_the_cache_written_whole(fp8):
+    """New tokens written to a split cache (the Triton writer and the reference) read back
+    as the same tokens written to the whole cache: K in the plane, V at its home, and the bank
+    copy of a banked host page updated too. Padding slots write nothing."""
+    gen = torch.Generator().manual_seed(15)
+    kv, _ = paged_cache([300], 16, 2, 32, torch.float32, gen)
+    scales = layer_scales() if fp8 else (None, None)
+    if fp8:
+        kv, _ = fp8_of(kv, *FP8_SCALES)
+    plane, _, split = split_of(kv, gen, poison=0 if fp8 else 0.0)
+    n_tok = 40
+    slots = torch.randperm(kv.shape[0] * 16, generator=gen)[:n_tok].int()
+    slots[::7] = -1
+    slots = slots.to(DEVICE)
+    # rows of a wider tensor, as vLLM's fused qkv hands them over
+    qkv = torch.randn(n_tok, 3, 2, 32, generator=gen)
+    if fp8 and not _GPU:
+        # Triton 3.6's interpreter rounds fp32 -> e4m3 wrongly where rounding carries into the
+        # exponent (1.98 -> 1.0); on values x / scale that e4m3 holds exactly, the conversion
+        # is exact, so the writer's routing and scaling are still checked bit for bit. Compiled,
+        # random values check the hardware's rounding against torch's too.
+        qkv = qkv.to(torch.float8_e4m3fn).float()
+        qkv[:, 1] *= FP8_SCALES[0]
+        qkv[:, 2] *= FP8_SCALES[1]
+    qkv = qkv.to(DEVICE)
+    key, value = qkv[:, 1], qkv[:, 2]
+    whole = kv.clone()
+    ref.write_paged_kv(whole, key, value, slots, k_scale=scales[0], v_scale=scales[1])
+    blocks = torch.arange(kv.shape[0], device=DEVICE)
+    for writer in ("reference", "triton"):
+        p = plane.clone()
+        s = ref.SplitV(split.v_dev.clone(), split.v_host.clone(), split.table, split.home)
+        if writer == "triton":
+            from vllm_infinitehip.kernels import triton_bank
+
+            triton_bank.write_split_kv(p, s, key, value, slots, *scales)
+        else:
+            ref.write_paged_kv(p, key, value, slots, split=s, k_scale=scales[0],
+                               v_scale=scales[1])  # fmt: skip
+        assert torch.equal(p[:, 0], whole[:, 0]), writer
+        assert torch.equal(ref.split_v_pages(s, blocks), whole[:, 1]), writer
+        # the home of a banked page holds the write too (the bank copy is only a copy)
+        home_only = ref.SplitV(s.v_dev, s.v_host, s.home, s.home)
+        assert torch.equal(ref.split_v_pages(home_only, blocks), whole[:, 1]), writer
+
+
 # --------------------------------------------------------------------------- fp8 KV cache
 FP8_SCALES = (0.5, 2.0)  # (k_scale, v_scale): dequantization must apply each to its own plane
 
