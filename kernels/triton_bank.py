@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import FP8_DTYPE, FP8_MAX, SplitV, is_fp8_cache
+from .reference import FP8_DTYPE, FP8_MAX, SplitV, is_fp8_cache, split_v_pages
 
 _BLOCK = 4096  # elements of a page one program copies
 
@@ -245,3 +245,66 @@ def write_split_kv(
         key.stride(0), value.stride(0), block_size, h * d, FP8_MAX=FP8_MAX,
         ROW=triton.next_power_of_2(h * d), KV_FP8=fp8,
     )  # fmt: skip
+
+
+@triton.jit
+def _gather_split_kernel(
+    k_plane_ptr, v_dev_ptr, v_host_ptr, table_ptr, dst_ptr, pages_ptr, slots_ptr, half_elems,
+    BLOCK: tl.constexpr,
+):
+    # one program per entry: the block's K page from the plane, its V page from where the
+    # layer's table places it, into the two planes of a whole page
+    entry = tl.program_id(0)
+    slot = tl.load(slots_ptr + entry)
+    if slot < 0:
+        return
+    page = tl.load(pages_ptr + entry).to(tl.int64)
+    where = tl.load(table_ptr + page).to(tl.int64)
+    dst = dst_ptr + slot.to(tl.int64) * 2 * half_elems
+    k_src = k_plane_ptr + page * half_elems
+    if where >= 0:
+        v_src = v_dev_ptr + where * half_elems
+    else:
+        v_src = v_host_ptr + (-1 - where) * half_elems
+    for start in range(0, half_elems, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < half_elems
+        tl.store(dst + offs, tl.load(k_src + offs, mask=ok), mask=ok)
+        tl.store(dst + half_elems + offs, tl.load(v_src + offs, mask=ok), mask=ok)
+
+
+def gather_split_pages(
+    k_plane: torch.Tensor, split: SplitV, dst: torch.Tensor, fill_pages: torch.Tensor,
+    fill_slots: torch.Tensor,
+) -> None:
+    """``dst[fill_slots[i]] = (K, V) of block fill_pages[i]`` wherever ``fill_slots[i] >= 0``:
+    whole pages ``[n, 2, block, H, D]`` (the prefill staging) from a split cache, no host sync."""
+    half = _check_split_gather(k_plane, split, dst)
+    n = fill_slots.shape[0]
+    if n:
+        _gather_split_kernel[(n,)](
+            k_plane, split.v_dev, split.v_host, split.table, dst, fill_pages.contiguous(),
+            fill_slots.contiguous(), half, BLOCK=_BLOCK,
+        )  # fmt: skip
+
+
+def gather_split_pages_reference(
+    k_plane: torch.Tensor, split: SplitV, dst: torch.Tensor, fill_pages: torch.Tensor,
+    fill_slots: torch.Tensor,
+) -> None:
+    """The same in PyTorch (the CPU path; it syncs to drop the padding)."""
+    _check_split_gather(k_plane, split, dst)
+    take = fill_slots >= 0
+    pages, slots = fill_pages[take].long(), fill_slots[take].long()
+    dst[slots, 0] = k_plane[pages, 0]
+    dst[slots, 1] = split_v_pages(split, pages).view(dst.dtype)
+
+
+def _check_split_gather(k_plane: torch.Tensor, split: SplitV, dst: torch.Tensor) -> int:
+    half = k_plane[0].numel()
+    tensors = (k_plane, split.v_dev, split.v_host, dst)
+    if not all(t.is_contiguous() and t.dtype == dst.dtype for t in tensors):
+        raise ValueError("gather_split_pages needs contiguous planes and pages of one dtype")
+    if k_plane.shape[1] != 1 or dst[0].numel() != 2 * half or split.v_dev[0].numel() != half:
+        raise ValueError("a K plane [n, 1, ...], V pages and whole pages [n, 2, ...] of one page")
+    return half

@@ -829,6 +829,27 @@ def test_split_writes_equal_the_cache_written_whole(fp8):
         assert torch.equal(ref.split_v_pages(home_only, blocks), whole[:, 1]), writer
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_split_pages_gather_into_whole_pages(fp8):
+    """The prefill staging of a split cache: whole pages equal to the cache they came from,
+    padding entries skipped (Triton and the reference)."""
+    from vllm_infinitehip.kernels import triton_bank
+
+    gen = torch.Generator().manual_seed(16)
+    kv, _ = paged_cache([200], 16, 2, 32, torch.float32, gen)
+    if fp8:
+        kv, _ = fp8_of(kv, *FP8_SCALES)
+    plane, split, _ = split_of(kv, gen, poison=0x7E if fp8 else float("nan"))
+    pages = torch.randperm(kv.shape[0], generator=gen)[:9].int().to(DEVICE)
+    slots = torch.tensor([4, -1, 0, 7, 2, -1, 1, 3, 5], dtype=torch.int32, device=DEVICE)
+    for gather in (triton_bank.gather_split_pages, triton_bank.gather_split_pages_reference):
+        dst = torch.zeros(8, *kv.shape[1:], dtype=kv.dtype, device=DEVICE)
+        gather(plane, split, dst, pages, slots)
+        take = slots >= 0
+        assert torch.equal(dst[slots[take].long()], kv[pages[take].long()]), gather.__name__
+        assert torch.equal(dst[6], torch.zeros_like(dst[6])), "no entry targets slot 6"
+
+
 # --------------------------------------------------------------------------- fp8 KV cache
 FP8_SCALES = (0.5, 2.0)  # (k_scale, v_scale): dequantization must apply each to its own plane
 
