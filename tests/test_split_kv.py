@@ -1,0 +1,72 @@
+"""The host tier's GPU + host layout with real bytes (block_manager.split_kv): random traffic of
+requests that come, grow and leave, written and read through the kernels' reference, against a
+whole cache that is never split. Every block written reads back from where its table places it,
+K from the plane, and vLLM's zeroing and copy-on-write land on the homes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from vllm_infinitehip.block_manager.split_kv import SplitKV
+from vllm_infinitehip.kernels import reference as ref
+
+PAGE, H, D, LAYERS = 4, 2, 8, 3
+
+
+def test_blocks_start_on_the_gpu_in_order_and_the_tables_say_so():
+    kv = SplitKV(LAYERS, 10, 4, (PAGE, H, D), torch.float32, torch.device("cpu"))
+    assert kv.home.tolist() == [0, 1, 2, 3, -1, -2, -3, -4, -5, -6]
+    assert torch.equal(kv.table, kv.home.repeat(LAYERS, 1))
+    plane, split = kv.layer(1)
+    assert plane.shape == (10, 1, PAGE, H, D) and split.v_host.shape == (6, PAGE, H, D)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_traffic_reads_back_what_the_whole_cache_holds(seed):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    n, gpu_pages = 24, 8
+    kv = SplitKV(LAYERS, n, gpu_pages, (PAGE, H, D), torch.float32, torch.device("cpu"))
+    whole = torch.zeros(LAYERS, n, 2, PAGE, H, D)
+    held: dict[str, list[int]] = {}
+    free_lru = list(range(n))
+    written: set[int] = set()
+    for step in range(120):
+        for req in list(held):
+            if rng.random() < 0.15:
+                free_lru.extend(held.pop(req))
+        new = [free_lru.pop(0) for _ in range(min(rng.randint(1, 3), len(free_lru)))]
+        req = rng.choice([*held, f"r{step}"])
+        held.setdefault(req, []).extend(new)
+        kv.place(new, held, free_lru)
+        # the step writes its new blocks, every token and layer (a new block's page holds
+        # another block's bytes until then, and vLLM reads no token before writing it)
+        slots = torch.tensor([b * PAGE + o for b in new for o in range(PAGE)])
+        slots = slots[torch.randperm(slots.numel(), generator=gen)]
+        for layer in range(LAYERS):
+            key, value = torch.randn(2, slots.numel(), H, D, generator=gen)
+            plane, split = kv.layer(layer)
+            ref.write_paged_kv(plane, key, value, slots, split=split)
+            ref.write_paged_kv(whole[layer], key, value, slots)
+        written.update(new)
+        assert all(kv.homes.on_gpu(b) for b in new)
+        # vLLM zeroes a block, or copies one into another (copy-on-write)
+        if rng.random() < 0.2:
+            b = rng.choice(sorted(written))
+            kv.zero([b])
+            whole[:, b] = 0
+        if len(written) > 1 and rng.random() < 0.3:
+            src, dst = rng.sample(sorted(written), 2)
+            kv.copy_blocks([src], [dst])
+            whole[:, dst] = whole[:, src]
+        # every block, live or freed (the prefix cache may hit it), reads what was written
+        blocks = torch.arange(n)
+        for layer in range(LAYERS):
+            plane, split = kv.layer(layer)
+            k, v = ref.gather_paged_kv(plane, blocks, n * PAGE, split=split)
+            want_k, want_v = ref.gather_paged_kv(whole[layer], blocks, n * PAGE)
+            assert torch.equal(k, want_k) and torch.equal(v, want_v), (step, layer)
+    assert kv.spilled_blocks > 30
