@@ -119,6 +119,38 @@ def split_rows(
 
 
 @triton.jit
+def kv_rows(
+    kv_ptr,
+    bt_row_ptr,
+    stride_btp,
+    t,
+    ok,
+    kv_head,
+    stride_page,
+    stride_kv,
+    stride_tok,
+    stride_head,
+    split_ptrs,
+    PAGE_SIZE: tl.constexpr,
+    SPLIT_V: tl.constexpr,
+):
+    """K and V row pointers of tokens ``t`` in either layout: the whole cache (V at
+    ``+ stride_kv``), or with ``SPLIT_V`` a K plane and ``split_ptrs = (v_dev, v_host, table,
+    stride_vpage)`` (:func:`split_rows`)."""
+    if SPLIT_V:
+        v_dev_ptr, v_host_ptr, table_ptr, stride_vpage = split_ptrs
+        return split_rows(
+            kv_ptr, bt_row_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok,
+            stride_head, v_dev_ptr, v_host_ptr, table_ptr, stride_vpage, PAGE_SIZE,
+        )  # fmt: skip
+    rows = paged_rows(
+        kv_ptr, bt_row_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
+        kv_ptr, bt_row_ptr, 0, PAGE_SIZE, False,
+    )  # fmt: skip
+    return rows, rows + stride_kv
+
+
+@triton.jit
 def _load_rows(
     rows, v_rows, ok, offs_d, d_ok, stride_d, k_scale, v_scale, KV_FP8: tl.constexpr
 ):
@@ -164,18 +196,19 @@ def _load_kv(
     stride_tok,
     stride_head,
     stride_d,
+    split_ptrs,
     PAGE_SIZE: tl.constexpr,
+    SPLIT_V: tl.constexpr,
     k_scale,
     v_scale,
     KV_FP8: tl.constexpr,
 ):
     """K and V rows ``[BLOCK_N, BLOCK_D]`` of tokens ``t`` of one request; zeros where ``~ok``."""
-    rows = paged_rows(
-        kv_ptr, bt_row_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
-        kv_ptr, bt_row_ptr, 0, PAGE_SIZE, False,
+    rows, v_rows = kv_rows(
+        kv_ptr, bt_row_ptr, stride_btp, t, ok, kv_head, stride_page, stride_kv, stride_tok,
+        stride_head, split_ptrs, PAGE_SIZE, SPLIT_V,
     )  # fmt: skip
-    return _load_rows(rows, rows + stride_kv, ok, offs_d, d_ok, stride_d, k_scale, v_scale,
-                      KV_FP8)  # fmt: skip
+    return _load_rows(rows, v_rows, ok, offs_d, d_ok, stride_d, k_scale, v_scale, KV_FP8)
 
 
 @triton.jit
@@ -609,6 +642,7 @@ def _prefill_streaming(
     stride_d,
     stride_btp,
     stride_sk,
+    split_ptrs,
     sink_tokens,
     window_tokens,
     qk_scale,
@@ -617,6 +651,7 @@ def _prefill_streaming(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    SPLIT_V: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ROT_DIM: tl.constexpr,
@@ -649,14 +684,13 @@ def _prefill_streaming(
         start = tl.load(starts_row + (vi // BLOCK_K) * stride_sk, mask=live, other=0)
         t = start.to(tl.int32) + vi % BLOCK_K
         ok = live & (t >= 0) & (t < win_lo)
-        rows = paged_rows(
-            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
-            kv_ptr, bt_ptr, 0, PAGE_SIZE, False,
+        rows, v_rows = kv_rows(
+            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, stride_page, stride_kv, stride_tok,
+            stride_head, split_ptrs, PAGE_SIZE, SPLIT_V,
         )  # fmt: skip
         delta = tl.maximum(sel_slot0 + vi + first, 0) - t
         acc, m_i, l_i = _attend_rotated(
-            q, qa, qb, qp, rows, rows + stride_kv, ok, delta, acc, m_i, l_i, stride_d, offs_d,
-            d_ok,
+            q, qa, qb, qp, rows, v_rows, ok, delta, acc, m_i, l_i, stride_d, offs_d, d_ok,
             HEAD_DIM, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, k_scale, v_scale,
             qk_scale, cap_log2e, inv_cap_scale, KV_FP8, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F,
             BLOCK_P, USE_SOFT_CAP, DOT_PRECISION,
@@ -667,14 +701,13 @@ def _prefill_streaming(
     for t0 in range(0, sink_hi, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         ok = t < sink_hi
-        rows = paged_rows(
-            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, stride_page, stride_tok, stride_head,
-            kv_ptr, bt_ptr, 0, PAGE_SIZE, False,
+        rows, v_rows = kv_rows(
+            kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, stride_page, stride_kv, stride_tok,
+            stride_head, split_ptrs, PAGE_SIZE, SPLIT_V,
         )  # fmt: skip
         delta = tl.maximum(t + first, 0) - t
         acc, m_i, l_i = _attend_rotated(
-            q, qa, qb, qp, rows, rows + stride_kv, ok, delta, acc, m_i, l_i, stride_d, offs_d,
-            d_ok,
+            q, qa, qb, qp, rows, v_rows, ok, delta, acc, m_i, l_i, stride_d, offs_d, d_ok,
             HEAD_DIM, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, k_scale, v_scale,
             qk_scale, cap_log2e, inv_cap_scale, KV_FP8, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F,
             BLOCK_P, USE_SOFT_CAP, DOT_PRECISION,
@@ -686,8 +719,8 @@ def _prefill_streaming(
         ok = t <= p_max
         k, v = _load_kv(
             kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
-            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
-            k_scale, v_scale, KV_FP8,
+            stride_page, stride_kv, stride_tok, stride_head, stride_d, split_ptrs,
+            PAGE_SIZE, SPLIT_V, k_scale, v_scale, KV_FP8,
         )  # fmt: skip
         valid = ok[None, :] & (t[None, :] <= pos[:, None])
         acc, m_i, l_i = _attend(
@@ -720,6 +753,7 @@ def _prefill_plain(
     stride_d,
     stride_btp,
     stride_sk,
+    split_ptrs,
     sink_tokens,
     window_tokens,
     qk_scale,
@@ -728,6 +762,7 @@ def _prefill_plain(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    SPLIT_V: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     k_scale,
@@ -748,8 +783,8 @@ def _prefill_plain(
         ok = live & (t >= sink_tokens) & (t >= prev_end) & (t <= p_max - window_tokens)
         k, v = _load_kv(
             kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
-            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
-            k_scale, v_scale, KV_FP8,
+            stride_page, stride_kv, stride_tok, stride_head, stride_d, split_ptrs,
+            PAGE_SIZE, SPLIT_V, k_scale, v_scale, KV_FP8,
         )  # fmt: skip
         valid = ok[None, :] & (t[None, :] <= pos[:, None] - window_tokens)
         acc, m_i, l_i = _attend(
@@ -764,8 +799,8 @@ def _prefill_plain(
         ok = t < sink_hi
         k, v = _load_kv(
             kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
-            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
-            k_scale, v_scale, KV_FP8,
+            stride_page, stride_kv, stride_tok, stride_head, stride_d, split_ptrs,
+            PAGE_SIZE, SPLIT_V, k_scale, v_scale, KV_FP8,
         )  # fmt: skip
         valid = ok[None, :] & (t[None, :] <= pos[:, None])
         acc, m_i, l_i = _attend(
@@ -781,8 +816,8 @@ def _prefill_plain(
         ok = t <= p_max
         k, v = _load_kv(
             kv_ptr, bt_ptr, stride_btp, t, ok, kv_head, offs_d, d_ok,
-            stride_page, stride_kv, stride_tok, stride_head, stride_d, PAGE_SIZE,
-            k_scale, v_scale, KV_FP8,
+            stride_page, stride_kv, stride_tok, stride_head, stride_d, split_ptrs,
+            PAGE_SIZE, SPLIT_V, k_scale, v_scale, KV_FP8,
         )  # fmt: skip
         valid = (
             ok[None, :]
@@ -811,6 +846,10 @@ def _prefill_kernel(
     out_ptr,
     rope_hi_ptr,
     rope_lo_ptr,
+    v_dev_ptr,
+    v_host_ptr,
+    table_ptr,
+    stride_vpage,
     k_scale_ptr,
     v_scale_ptr,
     stride_qn,
@@ -855,6 +894,7 @@ def _prefill_kernel(
     BLOCK_F: tl.constexpr,
     BLOCK_P: tl.constexpr,
     KV_FP8: tl.constexpr,
+    SPLIT_V: tl.constexpr,
 ):
     # One program per (query block, tile of HEADS query heads of one KV group): the heads of a
     # group share the block's mask, so their queries are stacked as HEADS * BLOCK_Q rows and
@@ -863,6 +903,7 @@ def _prefill_kernel(
     tile = tl.program_id(1)
     kv_head = tile // HEAD_TILES
     k_scale, v_scale = _kv_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
+    split_ptrs = (v_dev_ptr, v_host_ptr, table_ptr, stride_vpage)
 
     # the block (query_blocks.QueryBlocks): its request's block-table row, its queries' rows
     # in q and out, how many it holds (none: a padding block), the first one's position, and
@@ -907,23 +948,23 @@ def _prefill_kernel(
                 q, q_a, q_b, q_p, acc, m_i, l_i, kv_ptr, bt_ptr, starts_row, n_sel, pos, p_min,
                 p_max, seq_len, kv_head, offs_d, d_ok, rope_hi_ptr, rope_lo_ptr, rope_bias,
                 rope_n_hi, stride_page, stride_kv, stride_tok, stride_head, stride_d, stride_btp,
-                stride_sk, sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale,
-                BLOCK_N, BLOCK_K, PAGE_SIZE, USE_SOFT_CAP, DOT_PRECISION, ROT_DIM, IS_NEOX,
+                stride_sk, split_ptrs, sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale,
+                BLOCK_N, BLOCK_K, PAGE_SIZE, SPLIT_V, USE_SOFT_CAP, DOT_PRECISION, ROT_DIM, IS_NEOX,
                 LO_BITS, BLOCK_F, BLOCK_P, HEAD_DIM, k_scale, v_scale, KV_FP8,
             )  # fmt: skip
         else:
             acc, m_i, l_i = _prefill_plain(
                 q, acc, m_i, l_i, kv_ptr, bt_ptr, starts_row, n_sel, pos, p_min, p_max, kv_head,
                 offs_d, d_ok, stride_page, stride_kv, stride_tok, stride_head, stride_d, stride_btp,
-                stride_sk, sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale, BLOCK_N,
-                BLOCK_K, PAGE_SIZE, USE_SOFT_CAP, DOT_PRECISION, k_scale, v_scale, KV_FP8,
+                stride_sk, split_ptrs, sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale, BLOCK_N,
+                BLOCK_K, PAGE_SIZE, SPLIT_V, USE_SOFT_CAP, DOT_PRECISION, k_scale, v_scale, KV_FP8,
             )  # fmt: skip
     else:
         acc, m_i, l_i = _prefill_plain(
             q, acc, m_i, l_i, kv_ptr, bt_ptr, starts_row, n_sel, pos, p_min, p_max, kv_head, offs_d,
-            d_ok, stride_page, stride_kv, stride_tok, stride_head, stride_d, stride_btp, stride_sk,
+            d_ok, stride_page, stride_kv, stride_tok, stride_head, stride_d, stride_btp, stride_sk, split_ptrs,
             sink_tokens, window_tokens, qk_scale, cap_log2e, inv_cap_scale, BLOCK_N, BLOCK_K,
-            PAGE_SIZE, USE_SOFT_CAP, DOT_PRECISION, k_scale, v_scale, KV_FP8,
+            PAGE_SIZE, SPLIT_V, USE_SOFT_CAP, DOT_PRECISION, k_scale, v_scale, KV_FP8,
         )  # fmt: skip
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -1261,6 +1302,7 @@ def sparse_prefill_attention(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     trained_context: int = 0,
+    split: SplitV | None = None,
 ) -> torch.Tensor:
     """Block-sparse attention of one request's prefill chunk; returns ``[Nq, Hq, D]`` in q's dtype.
 
@@ -1277,8 +1319,8 @@ def sparse_prefill_attention(
     then selected) and the block's window ``(p_min - n_stream, p]``, causal. A block whose
     last query sits below ``trained_context`` attends as without ``rope`` (0: none does).
 
-    ``k_scale`` / ``v_scale``: an fp8 cache's dequantization, as in
-    :func:`sparse_decode_attention`.
+    ``k_scale`` / ``v_scale``: an fp8 cache's dequantization, and ``split``, the host tier's
+    K plane with V elsewhere, as in :func:`sparse_decode_attention`.
     """
     nq = q.shape[0]
     if nq > seq_len:
@@ -1288,7 +1330,7 @@ def sparse_prefill_attention(
         q, kv_cache, block_table_row.view(1, -1), blocks, block_starts, block_valid,
         block_size_k=block_size_k, sink_tokens=sink_tokens, window_tokens=window_tokens,
         scale=scale, logit_soft_cap=logit_soft_cap, out=out, rope=rope, k_scale=k_scale,
-        v_scale=v_scale, trained_context=trained_context,
+        v_scale=v_scale, trained_context=trained_context, split=split,
     )  # fmt: skip
 
 
@@ -1310,6 +1352,7 @@ def sparse_prefill_attention_blocks(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     trained_context: int = 0,
+    split: SplitV | None = None,
 ) -> torch.Tensor:
     """:func:`sparse_prefill_attention` for the query blocks of one or more requests (a step's
     prefill chunks, :class:`query_blocks.QueryBlocks`) in one launch: block ``b`` holds the
@@ -1319,8 +1362,14 @@ def sparse_prefill_attention_blocks(
     like ``q``; other rows are left alone) equal what the request alone gets. No host sync."""
     if q.dim() != 3:
         raise ValueError(f"q must be [Nq, Hq, D], got {tuple(q.shape)}")
-    group, d, page_size = _check_kv(q, kv_cache)
+    group, d, page_size = _check_kv(q, kv_cache, planes=1 if split is not None else 2)
+    if split is not None:
+        check_split(split, kv_cache)
+        v_args = (fp8_view(split.v_dev), fp8_view(split.v_host), split.table,
+                  split.v_dev.stride(0))  # fmt: skip
     kv_cache, k_sc, v_sc, kv_fp8 = kv_quant_args(kv_cache, k_scale, v_scale)
+    if split is None:
+        v_args = (kv_cache, kv_cache, block_table, 0)
     hq = q.shape[1]
     n_qblocks = blocks.num_blocks
     if block_starts.shape[0] != n_qblocks or block_valid.shape != block_starts.shape:
@@ -1350,13 +1399,14 @@ def sparse_prefill_attention_blocks(
     (hi_t, lo_t, bias, n_hi), rope_meta = _streaming_args(rope, d, capacity, q)
     _prefill_kernel[(n_qblocks, (hq // group) * head_tiles)](
         q, kv_cache, block_table, blocks.row, blocks.start, blocks.count, blocks.first_pos,
-        blocks.slice_end, block_starts, n_valid, out, hi_t, lo_t, k_sc, v_sc,
+        blocks.slice_end, block_starts, n_valid, out, hi_t, lo_t, *v_args, k_sc, v_sc,
         *q.stride(), *kv_cache.stride(), *block_table.stride(), *block_starts.stride(),
         *out.stride(), sink_tokens, window_tokens, trained_context, qk_scale, cap_log2e,
         inv_cap_scale, bias, n_hi, GROUP=group, HEADS=heads, HEAD_TILES=head_tiles,
         BLOCK_SIZE_Q=block_size_q, BLOCK_Q=block_q, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_K=block_size_k, PAGE_SIZE=page_size,
         USE_SOFT_CAP=logit_soft_cap > 0.0, DOT_PRECISION=_dot_precision(q.dtype),
-        KV_FP8=kv_fp8, num_warps=4 if rows <= 64 and block_d <= 128 else 8, **rope_meta,
+        KV_FP8=kv_fp8, SPLIT_V=split is not None,
+        num_warps=4 if rows <= 64 and block_d <= 128 else 8, **rope_meta,
     )  # fmt: skip
     return out
