@@ -9,7 +9,7 @@ per process: a worker process drives one device.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +19,12 @@ from vllm_infinitehip.block_manager.page_cache import PageCache
 @dataclass
 class HostTier:
     """What the worker decided: bytes of host KV (the capacity vLLM's scheduler sees) and of
-    the GPU bank; and the page caches of this process's attention groups."""
+    the GPU bank; and the page caches of this process's attention groups.
+
+    With ``layout == "split"`` (``block_manager.split_kv``) vLLM's ``num_blocks`` blocks keep K
+    on the GPU and V on ``gpu_pages`` GPU pages and the host; the attention groups register
+    their :class:`~.split_kv.SplitKV`, and the worker places each step's new blocks through
+    :meth:`place` before the step runs."""
 
     host_bytes: int
     bank_bytes: int
@@ -28,6 +33,29 @@ class HostTier:
     caches: list[PageCache] = field(default_factory=list)
     # distinct block ids of each release() call, summed over calls: what the worker reported
     released_blocks: int = 0
+    layout: str = "host"
+    num_blocks: int = 0
+    gpu_pages: int = 0
+    groups: list = field(default_factory=list)  # SplitKV of each attention group
+    # (shape, dtype) -> a tensor in pinned host memory that the GPU reads (the split layout's
+    # host pages, on a GPU; None on the CPU, where host memory is the device's)
+    host_alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
+
+    def register_split(self, group) -> None:
+        self.groups.append(group)
+
+    def place(self, new_blocks, held, free_lru) -> None:
+        """The split layout's step: GPU homes for ``new_blocks``, victims' V to the host."""
+        for group in self.groups:
+            group.place(new_blocks, held, free_lru)
+
+    def zero(self, blocks) -> None:
+        for group in self.groups:
+            group.zero(blocks)
+
+    def copy_blocks(self, sources, destinations) -> None:
+        for group in self.groups:
+            group.copy_blocks(sources, destinations)
 
     def register(self, cache: PageCache) -> None:
         self.caches.append(cache)

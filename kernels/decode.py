@@ -127,11 +127,13 @@ def refresh_masks_reference(
     v_scale: float | torch.Tensor | None = None,
     reduce_scores: ref.ScoreReduce | None = None,
     key_rows: ref.KeyRows | None = None,
+    split: ref.SplitV | None = None,
 ) -> None:
     """What ``triton_decode.refresh_masks`` computes, with :func:`reference.run_stages` per row
     (keys read through ``bank``, or through ``key_rows`` which takes its place, and an fp8
-    cache dequantized with ``k_scale``, as :func:`reference.gather_paged_kv` does). The
-    reference reads every key, so it lists no misses for ``key_rows``."""
+    cache dequantized with ``k_scale``, as :func:`reference.gather_paged_kv` does; ``split``:
+    ``kv_cache`` is the host tier's K plane). The reference reads every key, so it lists no
+    misses for ``key_rows``."""
     n = len(params.stages)
     for b, (slot, level, seq_len) in enumerate(
         zip(rows.slots.tolist(), rows.levels.tolist(), rows.seq_lens.tolist())
@@ -140,7 +142,7 @@ def refresh_masks_reference(
             continue
         k, _ = ref.gather_paged_kv(kv_cache, rows.block_table[b], seq_len,
                                    None if key_rows is not None else bank, k_scale=k_scale,
-                                   v_scale=v_scale, key_rows=key_rows)  # fmt: skip
+                                   v_scale=v_scale, key_rows=key_rows, split=split)  # fmt: skip
         pos = torch.tensor([seq_len - 1], device=q.device)
         start_input = None
         if level > 0:
@@ -172,12 +174,13 @@ def attend_reference(
     *,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    split: ref.SplitV | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Decode attention of every row: dense for rows without a slot, block-sparse over the
     slot's final blocks otherwise (read past their ends by :func:`block_extension`). Returns
     ``[B, H_q, D]`` and the (query, key) pairs the sparse rows attended. ``bank``: read
     through the host tier's GPU cache, as the kernels do; ``k_scale`` / ``v_scale`` dequantize
-    an fp8 cache (:func:`reference.gather_paged_kv`)."""
+    an fp8 cache; ``split``: ``kv_cache`` is the tier's K plane (:func:`reference.gather_paged_kv`)."""
     out = torch.zeros_like(q)
     attended = 0
     extension = block_extension(params, rows.stale_steps)
@@ -185,7 +188,7 @@ def attend_reference(
         if seq_len <= 0:
             continue
         k, v = ref.gather_paged_kv(kv_cache, rows.block_table[b], seq_len, bank,
-                                   k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+                                   k_scale=k_scale, v_scale=v_scale, split=split)  # fmt: skip
         pos = torch.tensor([seq_len - 1], device=q.device)
         if slot < 0:
             out[b : b + 1] = ref.dense_attention(q[b : b + 1], k, v, pos, scale)

@@ -24,7 +24,8 @@ from vllm_infinitehip.kernels.query_blocks import DenseRows, QueryBlocks
 @dataclass
 class RequestKV:
     """One request's view of a layer's paged KV cache. ``k_scale`` / ``v_scale``: the layer's
-    ``_k_scale`` / ``_v_scale``, which dequantize an fp8 cache (other caches ignore them)."""
+    ``_k_scale`` / ``_v_scale``, which dequantize an fp8 cache (other caches ignore them);
+    ``split``: ``kv_cache`` is the host tier's K plane and V is where ``split`` places it."""
 
     kv_cache: torch.Tensor
     block_table_row: torch.Tensor
@@ -32,13 +33,15 @@ class RequestKV:
     _kv: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     k_scale: float | torch.Tensor | None = field(default=None, kw_only=True)
     v_scale: float | torch.Tensor | None = field(default=None, kw_only=True)
+    split: ref.SplitV | None = field(default=None, kw_only=True)
 
     def contiguous(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``k, v`` as ``[seq_len, H_kv, D]``, gathered once per request and layer (an fp8
         cache dequantized, in float32: :func:`reference.gather_paged_kv`)."""
         if self._kv is None:
             self._kv = ref.gather_paged_kv(self.kv_cache, self.block_table_row, self.seq_len,
-                                           k_scale=self.k_scale, v_scale=self.v_scale)  # fmt: skip
+                                           k_scale=self.k_scale, v_scale=self.v_scale,
+                                           split=self.split)  # fmt: skip
         return self._kv
 
 
@@ -86,15 +89,19 @@ class AttentionOps(Protocol):
     def dense_rows(self, rows: DenseRows, q: torch.Tensor, out: torch.Tensor,
                    kv_cache: torch.Tensor, block_table: torch.Tensor, scale: float, *,
                    k_scale: float | torch.Tensor | None = None,
-                   v_scale: float | torch.Tensor | None = None) -> None: ...  # fmt: skip
+                   v_scale: float | torch.Tensor | None = None,
+                   split: ref.SplitV | None = None) -> None: ...  # fmt: skip
 
     def prune_blocks(self, params: ref.PruneParams, blocks: QueryBlocks, q: torch.Tensor,
                      kv_cache: torch.Tensor, block_table: torch.Tensor, scale: float, *,
                      k_scale: float | torch.Tensor | None = None,
                      v_scale: float | torch.Tensor | None = None,
-                     shared: dict | None = None) -> ref.PruneResult:  # fmt: skip
+                     shared: dict | None = None,
+                     split: ref.SplitV | None = None) -> ref.PruneResult:  # fmt: skip
         """``shared``: one dict for the calls of one layer over one cache (a batch's kinds of
-        part), where an implementation keeps what they can reuse (the turned-back keys)."""
+        part), where an implementation keeps what they can reuse (the turned-back keys).
+        ``split`` (here and below): ``kv_cache`` is the host tier's K plane, V is where
+        ``split`` places it (``reference.SplitV``)."""
         ...
 
     def attend_blocks(self, params: ref.PruneParams, blocks: QueryBlocks, q: torch.Tensor,
@@ -102,18 +109,20 @@ class AttentionOps(Protocol):
                       prune: ref.PruneResult, out: torch.Tensor, *,
                       k_scale: float | torch.Tensor | None = None,
                       v_scale: float | torch.Tensor | None = None,
-                      ) -> int | torch.Tensor: ...  # fmt: skip
+                      split: ref.SplitV | None = None) -> int | torch.Tensor: ...  # fmt: skip
 
     def refresh_decode(self, params: ref.PruneParams, masks: dec.DecodeMasks, q: torch.Tensor,
                        kv_cache: torch.Tensor, rows: dec.DecodeRows, scale: float,
                        scratch: DecodeScratch, *, k_scale: float | torch.Tensor | None = None,
-                       v_scale: float | torch.Tensor | None = None) -> None: ...  # fmt: skip
+                       v_scale: float | torch.Tensor | None = None,
+                       split: ref.SplitV | None = None) -> None: ...  # fmt: skip
 
     def attend_decode(self, params: ref.PruneParams, masks: dec.DecodeMasks, q: torch.Tensor,
                       kv_cache: torch.Tensor, rows: dec.DecodeRows, scale: float,
                       out: torch.Tensor, pairs: torch.Tensor,
                       scratch: DecodeScratch, *, k_scale: float | torch.Tensor | None = None,
-                      v_scale: float | torch.Tensor | None = None) -> None: ...  # fmt: skip
+                      v_scale: float | torch.Tensor | None = None,
+                      split: ref.SplitV | None = None) -> None: ...  # fmt: skip
 
 
 class ReferenceOps:
@@ -138,19 +147,19 @@ class ReferenceOps:
 
     # A step's chunks, request by request: the oracle of the batched kernels.
     def dense_rows(self, rows, q, out, kv_cache, block_table, scale, *, k_scale=None,
-                   v_scale=None):  # fmt: skip
+                   v_scale=None, split=None):  # fmt: skip
         for p in rows.parts:
-            req, positions = _part_request(p, kv_cache, block_table, k_scale, v_scale)
+            req, positions = _part_request(p, kv_cache, block_table, k_scale, v_scale, split)
             out[p.q_lo : p.q_hi] = self.dense(req, q[p.q_lo : p.q_hi], positions, scale)
 
     def prune_blocks(self, params, blocks, q, kv_cache, block_table, scale, *, k_scale=None,
-                     v_scale=None, shared=None):  # fmt: skip
+                     v_scale=None, shared=None, split=None):  # fmt: skip
         """Each part's cascade alone, stacked into the batch's final blocks (a part's padding
         blocks and extra entries invalid; stage inputs are not kept)."""
         fine = blocks.refine(params.block_size_q)
         results = []
         for p in blocks.parts:
-            req, positions = _part_request(p, kv_cache, block_table, k_scale, v_scale)
+            req, positions = _part_request(p, kv_cache, block_table, k_scale, v_scale, split)
             results.append(self.prune(params, req, q[p.q_lo : p.q_hi], positions, scale))
         width = max((r.block_starts.shape[1] for r in results), default=0)
         starts = torch.zeros(fine.num_blocks, width, dtype=torch.long, device=q.device)
@@ -162,11 +171,11 @@ class ReferenceOps:
         return ref.PruneResult(starts, valid, [])
 
     def attend_blocks(self, params, blocks, q, kv_cache, block_table, scale, prune, out, *,
-                      k_scale=None, v_scale=None):  # fmt: skip
+                      k_scale=None, v_scale=None, split=None):  # fmt: skip
         fine = blocks.refine(params.block_size_q)
         attended = 0
         for lo, p in zip(fine.part_blocks, blocks.parts):
-            req, positions = _part_request(p, kv_cache, block_table, k_scale, v_scale)
+            req, positions = _part_request(p, kv_cache, block_table, k_scale, v_scale, split)
             hi = lo + -(-(p.q_hi - p.q_lo) // params.block_size_q)
             part = ref.PruneResult(prune.block_starts[lo:hi], prune.block_valid[lo:hi], [])
             o, pairs = self.attend(params, req, q[p.q_lo : p.q_hi], positions, scale, part,
@@ -176,16 +185,17 @@ class ReferenceOps:
         return attended
 
     def refresh_decode(self, params, masks, q, kv_cache, rows, scale, scratch, *, k_scale=None,
-                       v_scale=None):  # fmt: skip
+                       v_scale=None, split=None):  # fmt: skip
         dec.refresh_masks_reference(params, masks, q, kv_cache, rows, scale, scratch.bank,
                                     k_scale=k_scale, v_scale=v_scale,
                                     reduce_scores=self.reduce_scores,
-                                    key_rows=scratch.key_rows)  # fmt: skip
+                                    key_rows=scratch.key_rows, split=split)  # fmt: skip
 
     def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch, *,
-                      k_scale=None, v_scale=None):  # fmt: skip
+                      k_scale=None, v_scale=None, split=None):  # fmt: skip
         o, attended = dec.attend_reference(params, masks, q, kv_cache, rows, scale, scratch.bank,
-                                           k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+                                           k_scale=k_scale, v_scale=v_scale,
+                                           split=split)  # fmt: skip
         out.copy_(o)
         context = sum(t for t, s in zip(rows.seq_lens.tolist(), rows.slots.tolist()) if s >= 0)
         pairs += torch.tensor([attended, context], dtype=pairs.dtype)
@@ -207,18 +217,20 @@ class TritonOps:
         """vLLM's own FlashAttention over the paged cache where it runs (fp16/bf16 on CUDA,
         checked once per device and cache kind by :func:`flash_attention_works`), else a gather
         (an fp8 cache dequantized) and SDPA."""
-        if _flash_serves(q, req.kv_cache):
+        if req.split is None and _flash_serves(q, req.kv_cache):
             return _flash_dense(req, q, scale)
         k, v = req.contiguous()
         return ref.dense_attention(q, k, v, positions, scale)
 
     def dense_rows(self, rows, q, out, kv_cache, block_table, scale, *, k_scale=None,
-                   v_scale=None):  # fmt: skip
+                   v_scale=None, split=None):  # fmt: skip
         """All dense chunks in one varlen FlashAttention call where it serves (else one gather
-        and SDPA per chunk, as :meth:`dense`)."""
-        if not _flash_serves(q, kv_cache):
+        and SDPA per chunk, as :meth:`dense`; so too a split cache's, which FlashAttention
+        cannot read: the backend stages the chunks that re-read their context)."""
+        if split is not None or not _flash_serves(q, kv_cache):
             return ReferenceOps.dense_rows(self, rows, q, out, kv_cache, block_table, scale,
-                                           k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+                                           k_scale=k_scale, v_scale=v_scale,
+                                           split=split)  # fmt: skip
         lo, hi = rows.q_range
         q_rows = q[lo:hi] if rows.token_index is None else q.index_select(0, rows.token_index)
         o = _flash_varlen(q_rows, kv_cache, block_table.index_select(0, rows.rows),
@@ -230,7 +242,8 @@ class TritonOps:
             out.index_copy_(0, rows.token_index, o)
 
     def prune_blocks(self, params, blocks, q, kv_cache, block_table, scale, *, k_scale=None,
-                     v_scale=None, shared=None):  # fmt: skip
+                     v_scale=None, shared=None, split=None):  # fmt: skip
+        """The stages read K only: a split cache's K plane is a cache of one plane to them."""
         from vllm_infinitehip.kernels.triton_prune import run_stages_blocks
 
         return run_stages_blocks(params, q, blocks, kv_cache, block_table, scale,
@@ -238,7 +251,7 @@ class TritonOps:
                                  reduce_scores=self.reduce_scores, shared=shared)  # fmt: skip
 
     def attend_blocks(self, params, blocks, q, kv_cache, block_table, scale, prune, out, *,
-                      k_scale=None, v_scale=None):  # fmt: skip
+                      k_scale=None, v_scale=None, split=None):  # fmt: skip
         """One launch for every block; the pair count is the budget, as in :meth:`attend`."""
         from vllm_infinitehip.kernels import triton_bsa
 
@@ -249,7 +262,7 @@ class TritonOps:
             block_size_k=params.block_size_k, sink_tokens=params.sink_tokens,
             window_tokens=params.window_tokens, scale=scale, out=out,
             rope=params.rope.table if streaming else None, k_scale=k_scale, v_scale=v_scale,
-            trained_context=params.remap_from,
+            trained_context=params.remap_from, split=split,
         )  # fmt: skip
         present, positions = fine.query_rows()
         return _budget_pairs(params, streaming, present, positions, fine.first_pos,
@@ -288,7 +301,8 @@ class TritonOps:
         return out, _budget_pairs(params, streaming, None, positions, first, n_valid, blk)
 
     def refresh_decode(self, params, masks, q, kv_cache, rows, scale, scratch, *, k_scale=None,
-                       v_scale=None):  # fmt: skip
+                       v_scale=None, split=None):  # fmt: skip
+        """(The stages read K only: a split cache's K plane serves them as it is.)"""
         from vllm_infinitehip.kernels import triton_decode
 
         # With a gate or a branch, steps that refresh nothing skip the launches, so the top-k
@@ -305,7 +319,7 @@ class TritonOps:
                                     key_rows=scratch.key_rows)  # fmt: skip
 
     def attend_decode(self, params, masks, q, kv_cache, rows, scale, out, pairs, scratch, *,
-                      k_scale=None, v_scale=None):  # fmt: skip
+                      k_scale=None, v_scale=None, split=None):  # fmt: skip
         from vllm_infinitehip.kernels import triton_bsa
 
         streaming = params.rope is not None and params.rope.bsa == "streaming"
@@ -316,16 +330,17 @@ class TritonOps:
             rope=params.rope.table if streaming else None, row_slots=rows.slots, stats=pairs,
             workspace=scratch.workspace, bank=scratch.bank, k_scale=k_scale, v_scale=v_scale,
             trained_context=params.remap_from,
-            stale_steps=rows.stale_steps if params.extend_reused_blocks else None,
+            stale_steps=rows.stale_steps if params.extend_reused_blocks else None, split=split,
         )  # fmt: skip
 
 
 def _part_request(p, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                  k_scale: float | torch.Tensor | None,
-                  v_scale: float | torch.Tensor | None) -> tuple[RequestKV, torch.Tensor]:  # fmt: skip
+                  k_scale: float | torch.Tensor | None, v_scale: float | torch.Tensor | None,
+                  split: ref.SplitV | None = None) -> tuple[RequestKV, torch.Tensor]:  # fmt: skip
     """A planned part (:class:`query_blocks.RequestPart`) as the single-request calls take it:
     its request's KV view and its queries' positions."""
-    req = RequestKV(kv_cache, block_table[p.row], p.seq_len, k_scale=k_scale, v_scale=v_scale)
+    req = RequestKV(kv_cache, block_table[p.row], p.seq_len, k_scale=k_scale, v_scale=v_scale,
+                    split=split)  # fmt: skip
     return req, torch.arange(p.first_pos, p.slice_end, device=kv_cache.device)
 
 

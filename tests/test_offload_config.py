@@ -18,7 +18,12 @@ from vllm_infinitehip.block_manager.host_store import HostKVStore, mapped_bytes
 from tests.conftest import ENGINE_KW, SMALL_HIP
 from vllm_infinitehip.config import InfiniteHiPConfigError, OffloadConfig
 from vllm_infinitehip.metrics import InfiniteHiPWorkerExtension
-from vllm_infinitehip.worker import BlockOwners, host_kv_allocation, size_host_tier
+from vllm_infinitehip.worker import (
+    BlockOwners,
+    host_kv_allocation,
+    size_host_tier,
+    size_split_tier,
+)
 
 GIB = 1 << 30
 
@@ -54,6 +59,42 @@ def test_gpu_tier_refuses_what_does_not_fit_naming_the_field():
                        available_host=100 * GIB)  # fmt: skip
     with pytest.raises(InfiniteHiPConfigError, match=r"no GPU memory for the bank"):
         size_host_tier(OffloadConfig(enabled=True), device_budget=0, available_host=100 * GIB)
+
+
+def test_split_layout_sizes_gpu_plus_host_and_names_the_field_that_does_not_fit():
+    """Llama-3-8B fp8 blocks (1 MiB of K and V over 32 layers): 116 GiB on the GPU and 100 on
+    the host hold 216 GiB of KV; ``gpu_gib`` caps the GPU side, which holds every block's K."""
+    split = OffloadConfig(enabled=True, layout="split", host_gib=100)
+    mib = 1 << 20
+    tier = size_split_tier(split, device_budget=116 * GIB, available_host=128 * GIB,
+                           block_bytes=mib, min_gpu_pages=1024)  # fmt: skip
+    assert tier.layout == "split" and tier.num_blocks == 216 * 1024
+    assert tier.host_bytes == (tier.num_blocks - tier.gpu_pages) * mib // 2 <= 100 * GIB
+    capped = size_split_tier(OffloadConfig(enabled=True, layout="split", host_gib=100,
+                                           gpu_gib=40), device_budget=116 * GIB,
+                             available_host=128 * GIB, block_bytes=mib,
+                             min_gpu_pages=1024)  # fmt: skip
+    # K of every block must fit the 40 GiB: K alone caps it, V of one step's blocks beside it
+    assert (capped.num_blocks, capped.gpu_pages) == (40 * 2048 - 1024, 1024)
+    assert capped.device_budget == 40 * GIB
+    with pytest.raises(InfiniteHiPConfigError, match=r"`infinitehip\.offload\.gpu_gib`=200"):
+        size_split_tier(OffloadConfig(enabled=True, layout="split", gpu_gib=200),
+                        device_budget=116 * GIB, available_host=128 * GIB, block_bytes=mib,
+                        min_gpu_pages=1024)  # fmt: skip
+    with pytest.raises(InfiniteHiPConfigError, match=r"one step's new blocks"):
+        size_split_tier(split, device_budget=100 * mib, available_host=128 * GIB,
+                        block_bytes=mib, min_gpu_pages=1024)  # fmt: skip
+
+
+def test_offload_layout_parses_and_bad_values_name_the_field():
+    from vllm_infinitehip.config import InfiniteHiPConfig
+
+    cfg = InfiniteHiPConfig.from_user({"offload": {"layout": "split", "gpu_gib": 8}})
+    assert (cfg.offload.layout, cfg.offload.gpu_gib) == ("split", 8.0)
+    with pytest.raises(InfiniteHiPConfigError, match=r"`infinitehip\.offload\.layout`='ram'"):
+        InfiniteHiPConfig.from_user({"offload": {"layout": "ram"}})
+    with pytest.raises(InfiniteHiPConfigError, match=r"`infinitehip\.offload\.gpu_gib` sizes"):
+        InfiniteHiPConfig.from_user({"offload": {"gpu_gib": 8}})
 
 
 def test_key_row_share_parses_and_bad_values_name_the_field():

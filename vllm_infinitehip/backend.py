@@ -45,6 +45,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm_infinitehip import step_branches
 from vllm_infinitehip.block_manager import tier as host_tier
 from vllm_infinitehip.block_manager.bank import Bank, PrefillStaging, decode_read_pages
+from vllm_infinitehip.block_manager.split_kv import SplitKV
 from vllm_infinitehip.block_manager.key_rows import KeyRowBank
 from vllm_infinitehip.config import (
     CPU_DENSE_PREFILL_CROSSOVER,
@@ -263,6 +264,8 @@ class StepPlan:
     bank_fill_entries: int = 0
     # each layer's place in the group (its cascade's region of the gate in DecodeScratch)
     layer_order: dict[str, int] = field(default_factory=dict)
+    # the host tier's split layout (offload.layout "split"): this group's KV, by layer index
+    split: SplitKV | None = None
 
 
 @dataclass(frozen=True)
@@ -392,8 +395,13 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         params: ref.PruneParams, device: torch.device,
     ) -> None:  # fmt: skip
         """The host tier's bank and staging, and every layer's final masks in one tensor so that
-        a step plans the promotions of all layers at once."""
+        a step plans the promotions of all layers at once (the split layout: its KV instead,
+        :meth:`_setup_split`)."""
         plan = self.plan
+        tier = host_tier.current()
+        if tier is not None and tier.layout == "split":
+            self._setup_split(vllm_config, spec, layer_names, device, tier)
+            return
         plan.bank, plan.key_rows, plan.staging = _make_bank(
             self.config, vllm_config, spec, len(layer_names), device
         )
@@ -417,6 +425,27 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         plan.bank.allocate_plan(vllm_config.scheduler_config.max_num_seqs * per_row, max_tokens)
         if plan.key_rows is not None:
             plan.key_rows.allocate_plan(max_tokens)
+
+    def _setup_split(
+        self, vllm_config: VllmConfig, spec: AttentionSpec, layer_names: list[str],
+        device: torch.device, tier: host_tier.HostTier,
+    ) -> None:  # fmt: skip
+        """This group's KV in the split layout (every layer's K plane and V pages, sized by the
+        worker), registered with the tier for the worker's placement; on a GPU, the staging
+        that dense prefill chunks read whole pages from."""
+        num_blocks = vllm_config.cache_config.num_gpu_blocks
+        if num_blocks != tier.num_blocks:
+            raise RuntimeError(f"vLLM made {num_blocks} KV blocks; the split layout sized "
+                               f"{tier.num_blocks}")  # fmt: skip
+        page_shape = (spec.block_size, spec.num_kv_heads, spec.head_size)
+        host_alloc = tier.host_alloc if device.type == "cuda" else None
+        self.plan.split = SplitKV(len(layer_names), num_blocks, tier.gpu_pages, page_shape,
+                                  spec.dtype, device, host_alloc=host_alloc)  # fmt: skip
+        tier.register_split(self.plan.split)
+        self.plan.bank_layers = {name: i for i, name in enumerate(layer_names)}
+        if device.type == "cuda":
+            max_pages = -(-vllm_config.model_config.max_model_len // spec.block_size)
+            self.plan.staging = PrefillStaging(max_pages, (2, *page_shape), spec.dtype, device)
 
     def _plan_tier(self, m: CommonAttentionMetadata, num_decodes: int, capture: bool) -> None:
         """The step's bank work for every layer (eager, before the step's graph): promotions
@@ -781,7 +810,7 @@ class InfiniteHiPImpl(AttentionImpl):
         rope = self._params.rope
         placement = self._placements.get(rope.pruning) if rope is not None else None
         bank = plan.bank
-        if bank is not None:
+        if bank is not None or plan.split is not None:
             self._bank_layer = plan.bank_layers[layer.layer_name]
         self._scratch = dataclasses.replace(
             plan.scratch, placement=placement,
@@ -816,8 +845,19 @@ class InfiniteHiPImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        self._write_kv(layer, key, value, kv_cache, slot_mapping)
         plan = _current_plan(layer.layer_name)
+        if plan is not None and plan.split is not None:
+            plane, split = plan.split.layer(plan.bank_layers[layer.layer_name])
+            if plane.device.type == "cuda":
+                from vllm_infinitehip.kernels.triton_bank import write_split_kv
+
+                write_split_kv(plane, split, key, value, slot_mapping, layer._k_scale,
+                               layer._v_scale)  # fmt: skip
+            else:
+                ref.write_paged_kv(plane, key, value, slot_mapping, split=split,
+                                   k_scale=layer._k_scale, v_scale=layer._v_scale)  # fmt: skip
+            return
+        self._write_kv(layer, key, value, kv_cache, slot_mapping)
         if plan is not None and plan.bank is not None:
             plan.bank.layer_work(
                 plan.bank_layers[layer.layer_name], kv_cache, slot_mapping.shape[0],
@@ -871,16 +911,20 @@ class InfiniteHiPImpl(AttentionImpl):
         out = output[: m.num_actual_tokens].view(-1, self.num_heads, self.head_size)
         q_all = query[: m.num_actual_tokens].view(-1, self.num_heads, self.head_size)
         ops = self._ops
+        kv_args = self._kv_scales
+        if m.plan.split is not None:  # the split layout: the group's KV, not vLLM's tensor
+            kv_cache, split = m.plan.split.layer(self._bank_layer)
+            kv_args = {**kv_args, "split": split}
         nd = m.num_decodes
         if nd:
-            self._decode(ops, q_all[:nd], out[:nd], kv_cache, m)
+            self._decode(ops, q_all[:nd], out[:nd], kv_cache, m, kv_args)
         if m.prefill is not None:
-            self._prefill(ops, m.prefill, q_all, out, kv_cache, m.block_table)
+            self._prefill(ops, m.prefill, q_all, out, kv_cache, m.block_table, kv_args)
         return output
 
     def _decode(
         self, ops: AttentionOps, q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
-        m: InfiniteHiPMetadata,
+        m: InfiniteHiPMetadata, kv_args: dict,
     ) -> None:
         """All decode rows: one cascade (rows due for a refresh, each from its own level), then
         one block-sparse launch (dense rows attend to everything). No host work on the GPU."""
@@ -890,28 +934,37 @@ class InfiniteHiPImpl(AttentionImpl):
         if m.run_cascade and branch != step_branches.REUSE:
             scratch = self._scratch if branch is None else self._scratch_refresh_body
             ops.refresh_decode(self._params, masks, q, kv_cache, rows, self.scale, scratch,
-                               **self._kv_scales)  # fmt: skip
+                               **kv_args)  # fmt: skip
         ops.attend_decode(self._params, masks, q, kv_cache, rows, self.scale, out, self.pairs,
-                          self._scratch, **self._kv_scales)  # fmt: skip
+                          self._scratch, **kv_args)  # fmt: skip
         if self.recall_log is not None:
             self._log_decode_recall(masks, q, kv_cache, rows)
 
     def _prefill(
         self, ops: AttentionOps, plan: PrefillPlan, q: torch.Tensor, out: torch.Tensor,
-        kv_cache: torch.Tensor, block_table: torch.Tensor,
+        kv_cache: torch.Tensor, block_table: torch.Tensor, kv_args: dict,
     ) -> None:  # fmt: skip
         """The step's prefill chunks as planned, batch by batch (with the host tier, each staged
         chunk is a batch of its own, read from its GPU copy): one dense call, then one cascade
         and one attention launch per kind of part. Each chunk's last query block uses the tail
         window, and its final query (the next token's) may be pruned alone
         (``prefill_final_query_own_mask``)."""
-        scales = self._kv_scales
         for batch in plan.batches:
-            cache, table = kv_cache, block_table
+            cache, table, scales = kv_cache, block_table, kv_args
             if batch.staged is not None:
                 row, seq_len = batch.staged
+                split = kv_args.get("split")
+                if split is not None:  # whole pages from the K plane and V's homes
+                    from vllm_infinitehip.kernels.triton_bank import gather_split_pages
+
+                    def copy(plane, pages, blocks, slots, split=split):
+                        gather_split_pages(plane, split, pages, blocks, slots)
+
+                    scales = self._kv_scales
+                else:
+                    copy = self._copy_pages
                 cache, table_row = self.plan.staging.stage(kv_cache, block_table[row], seq_len,
-                                                           self._copy_pages)  # fmt: skip
+                                                           copy)  # fmt: skip
                 table = table_row.view(1, -1)
             if batch.dense is not None:
                 ops.dense_rows(batch.dense, q, out, cache, table, self.scale, **scales)

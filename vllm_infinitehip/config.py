@@ -94,12 +94,20 @@ class OffloadConfig:
       the pruning stages' probes (``block_manager.key_rows``); the rest holds the pages
       attention reads. Pruning probes about a quarter of every K row of the context, attention
       reads a few thousand tokens per row and step, so K takes most (the paper's "favour K").
+    - ``layout``: ``"host"`` (the above) or ``"split"``: capacity is GPU plus host memory,
+      every block's K stays on the GPU and its V lives on the GPU first and moves to the host
+      only past what the GPU holds (``block_manager.split_kv``). ``host_gib`` is then the host
+      memory for V pages, ``bank_gib`` and ``key_row_share`` do not apply.
+    - ``gpu_gib`` (``"split"``): GPU memory for KV, K of every block and the V pages homed
+      there. ``None``: what vLLM's profiling leaves for KV.
     """
 
     enabled: bool = False
     host_gib: float | None = None
     bank_gib: float | None = None
     key_row_share: float = 0.75
+    layout: str = "host"
+    gpu_gib: float | None = None
 
 
 @dataclass(frozen=True)
@@ -586,7 +594,7 @@ def _offload(raw: Any) -> OffloadConfig:
     if not isinstance(enabled, bool):
         raise InfiniteHiPConfigError(f"`{where}.enabled`={enabled!r} must be true or false")
     sizes: dict[str, float | None] = {}
-    for name in ("host_gib", "bank_gib"):
+    for name in ("host_gib", "bank_gib", "gpu_gib"):
         v = raw.get(name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
             raise InfiniteHiPConfigError(
@@ -598,4 +606,17 @@ def _offload(raw: Any) -> OffloadConfig:
         raise InfiniteHiPConfigError(
             f"`{where}.key_row_share`={share!r} must be a number between 0 and 1 (exclusive)"
         )
-    return OffloadConfig(enabled=enabled, key_row_share=float(share), **sizes)
+    layout = raw.get("layout", OffloadConfig.layout)
+    if layout not in OFFLOAD_LAYOUTS:
+        raise InfiniteHiPConfigError(
+            f"`{where}.layout`={layout!r} must be one of {', '.join(map(repr, OFFLOAD_LAYOUTS))}"
+        )
+    if sizes["gpu_gib"] is not None and layout != "split":
+        raise InfiniteHiPConfigError(
+            f"`{where}.gpu_gib` sizes the \"split\" layout; with layout {layout!r} the GPU "
+            f"holds a bank (`{where}.bank_gib`)"
+        )
+    return OffloadConfig(enabled=enabled, key_row_share=float(share), layout=layout, **sizes)
+
+
+OFFLOAD_LAYOUTS = ("host", "split")

@@ -28,6 +28,9 @@ starts and ends on a multiple of ``block_size_q`` (absolute positions) but the p
   "align" cache mode; this model has none). A chunk whose budget does not reach the next grid
   point waits a step, as vLLM's Mamba alignment does.
 
+With the host tier's split layout (``offload.layout`` "split") they also have vLLM record each
+step's newly allocated block ids, which the worker homes on the GPU (``block_manager.split_kv``).
+
 :func:`vllm_infinitehip.compat.use_scheduler` picks the one matching ``async_scheduling`` when
 the user named no scheduler class.
 """
@@ -50,6 +53,13 @@ class _InfiniteHiPScheduling:
         # instance attributes: the scheduler's own call sites stay vLLM's
         manager.get_num_common_prefix_blocks = lambda running_request_id: [0] * groups
         config = InfiniteHiPConfig.from_vllm_config(self.vllm_config)
+        if config.offload.enabled and config.offload.layout == "split":
+            # the split layout homes each step's new blocks on the GPU: the worker needs their
+            # ids, which vLLM sends only to be zeroed (the worker zeroes them only where the
+            # model needs it, and hides the list from vLLM's runner)
+            self.needs_kv_cache_zeroing = True
+            for single in manager.coordinator.single_type_managers:
+                single._record_new_block_ids = True
         self.query_block = config.stages[0].block_size_q
         # a hit is whole KV blocks: the grid both fall on
         hit_grid = math.lcm(self.query_block, self.block_size)

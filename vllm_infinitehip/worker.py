@@ -24,7 +24,9 @@ The CPU worker class is built on first access: importing ``vllm.v1.worker.cpu_wo
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
+import dataclasses
+import math
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -34,6 +36,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_infinitehip.block_manager.host_store import HostKVStore
+from vllm_infinitehip.block_manager.placement import split_capacity
 from vllm_infinitehip.block_manager.tier import HostTier, current, install
 from vllm_infinitehip.config import InfiniteHiPConfig, InfiniteHiPConfigError, OffloadConfig
 from vllm_infinitehip.metrics import InfiniteHiPWorkerExtension
@@ -47,6 +50,28 @@ CPU_BANK_DEFAULT_DIVISOR = 8  # on the CPU the bank is host memory too: a small 
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB"
+
+
+def _host_bytes(offload: OffloadConfig, available_host: int, workers_on_host: int) -> int:
+    """Host memory for KV per worker: ``host_gib``, or a share of what is available."""
+    where = "infinitehip.offload"
+    if offload.host_gib is None:
+        host_bytes = int(HOST_DEFAULT_SHARE * available_host) // workers_on_host
+    else:
+        host_bytes = int(offload.host_gib * GIB)
+        if host_bytes * workers_on_host > available_host:
+            per_worker = f" per worker, {workers_on_host} workers" if workers_on_host > 1 else ""
+            raise InfiniteHiPConfigError(
+                f"`{where}.host_gib`={offload.host_gib} asks for {_gib(host_bytes)} of host "
+                f"memory for KV{per_worker}, but this machine has {_gib(available_host)} "
+                f"available (after loading the model): lower it, or leave it unset for "
+                f"{HOST_DEFAULT_SHARE:.0%} of what is available"
+            )
+    if host_bytes <= 0:
+        raise InfiniteHiPConfigError(
+            f"`{where}`: no host memory is available for KV ({_gib(available_host)} available)"
+        )
+    return host_bytes
 
 
 def size_host_tier(
@@ -66,22 +91,7 @@ def size_host_tier(
     :class:`InfiniteHiPConfigError` naming the field that does not fit.
     """
     where = "infinitehip.offload"
-    if offload.host_gib is None:
-        host_bytes = int(HOST_DEFAULT_SHARE * available_host) // workers_on_host
-    else:
-        host_bytes = int(offload.host_gib * GIB)
-        if host_bytes * workers_on_host > available_host:
-            per_worker = f" per worker, {workers_on_host} workers" if workers_on_host > 1 else ""
-            raise InfiniteHiPConfigError(
-                f"`{where}.host_gib`={offload.host_gib} asks for {_gib(host_bytes)} of host "
-                f"memory for KV{per_worker}, but this machine has {_gib(available_host)} "
-                f"available (after loading the model): lower it, or leave it unset for "
-                f"{HOST_DEFAULT_SHARE:.0%} of what is available"
-            )
-    if host_bytes <= 0:
-        raise InfiniteHiPConfigError(
-            f"`{where}`: no host memory is available for KV ({_gib(available_host)} available)"
-        )
+    host_bytes = _host_bytes(offload, available_host, workers_on_host)
 
     if bank_on_host:
         if offload.bank_gib is None:
@@ -115,6 +125,44 @@ def size_host_tier(
     return HostTier(host_bytes=host_bytes, bank_bytes=bank_bytes, device_budget=device_budget)
 
 
+def size_split_tier(
+    offload: OffloadConfig,
+    *,
+    device_budget: int,
+    available_host: int,
+    block_bytes: int,
+    min_gpu_pages: int,
+    workers_on_host: int = 1,
+) -> HostTier:
+    """The ``"split"`` layout's sizes: every block's K on the GPU, V on the GPU first and on the
+    host past it (:func:`~vllm_infinitehip.block_manager.placement.split_capacity`).
+    ``block_bytes``: one block's K and V over every layer. ``min_gpu_pages``: the V pages one
+    step's new blocks may need. Raises :class:`InfiniteHiPConfigError` naming the field."""
+    where = "infinitehip.offload"
+    host = _host_bytes(offload, available_host, workers_on_host)
+    gpu_bytes = device_budget
+    if offload.gpu_gib is not None:
+        gpu_bytes = int(offload.gpu_gib * GIB)
+        if gpu_bytes > device_budget:
+            raise InfiniteHiPConfigError(
+                f"`{where}.gpu_gib`={offload.gpu_gib} ({_gib(gpu_bytes)}) exceeds the "
+                f"{_gib(max(device_budget, 0))} that vLLM's memory profiling left for KV: lower "
+                f"it, leave it unset for all of that, or raise gpu_memory_utilization"
+            )
+    half = block_bytes // 2
+    try:
+        cap = split_capacity(gpu_bytes, host, half, block_bytes - half, min_gpu_pages)
+    except ValueError:
+        raise InfiniteHiPConfigError(
+            f"`{where}`: the split layout keeps every block's K and the V of one step's new "
+            f"blocks ({min_gpu_pages} blocks of {_gib(block_bytes)}) on the GPU, but "
+            f"{_gib(gpu_bytes)} is left for KV there (`{where}.gpu_gib`, or vLLM's profiling)"
+        ) from None
+    return HostTier(host_bytes=cap.host_pages * (block_bytes - half), bank_bytes=0,
+                    device_budget=gpu_bytes, layout="split", num_blocks=cap.num_blocks,
+                    gpu_pages=cap.gpu_pages)  # fmt: skip
+
+
 class BlockOwners:
     """Which live request holds which KV block, kept from the scheduler's outputs alone.
 
@@ -129,6 +177,8 @@ class BlockOwners:
     def __init__(self) -> None:
         self.blocks: dict[str, list[int]] = {}
         self.holders: Counter[int] = Counter()
+        self.freed: list[int] = []  # the blocks the last step's output freed
+        self.preempted = 0  # requests vLLM preempted, over the engine's life
 
     def _drop(self, req_id: str) -> list[int]:
         ids = self.blocks.pop(req_id, [])
@@ -148,6 +198,7 @@ class BlockOwners:
         so = scheduler_output
         cached = so.scheduled_cached_reqs
         leaving = [*so.finished_req_ids, *(so.preempted_req_ids or ())]
+        self.preempted += len(so.preempted_req_ids or ())
         # a resumed request's list is replaced, not appended to; a streaming request is re-added
         # with all its blocks
         leaving += [r for r in cached.req_ids if r in cached.resumed_req_ids]
@@ -158,6 +209,7 @@ class BlockOwners:
         freed = {b for b in let_go if self.holders[b] <= 0}
         for b in freed:
             del self.holders[b]
+        self.freed = sorted(freed)
         for new in so.scheduled_new_reqs:
             self._hold(new.req_id, new.block_ids)
         for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
@@ -168,9 +220,12 @@ class BlockOwners:
         return sorted(freed.union(rewritten))
 
 
-def _in_host_memory(raw: dict[str, torch.Tensor], store: HostKVStore) -> dict[str, torch.Tensor]:
+def _in_host_memory(raw: dict[str, torch.Tensor], store: HostKVStore | None,
+                    ) -> dict[str, torch.Tensor]:  # fmt: skip
     """vLLM's per-layer raw KV buffers (allocated on the meta device, so sized and aliased by
     vLLM's own code) re-made in host memory, keeping which layers share a buffer."""
+    if store is None:  # the split layout: vLLM's tensors stay shapes (see _unbind_meta_kv)
+        return raw
     made: dict[int, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for layer, meta in raw.items():
@@ -186,8 +241,10 @@ def _in_host_memory(raw: dict[str, torch.Tensor], store: HostKVStore) -> dict[st
 
 
 @contextlib.contextmanager
-def host_kv_allocation(runner: Any, v2_runner: bool, store: HostKVStore) -> Iterator[None]:
-    """While open, the runner's KV allocation takes its buffers from ``store``.
+def host_kv_allocation(runner: Any, v2_runner: bool, store: HostKVStore | None,
+                       ) -> Iterator[None]:  # fmt: skip
+    """While open, the runner's KV allocation takes its buffers from ``store`` (``None``: they
+    stay on the ``meta`` device, for the split layout, whose KV the attention groups own).
 
     vLLM has no allocator hook for KV; each runner allocates in one small function, then reshapes
     and binds what it got, and both steps work on any int8 device tensor. So only that function is
@@ -247,7 +304,27 @@ class _HostTierWorker:
         super().__init__(*args, **kwargs)
         self._block_owners = BlockOwners()
         self._host_store: HostKVStore | None = None
+        # the split layout: free blocks, least recently freed first (spill victims), and
+        # whether the model needs vLLM's zeroing of new blocks (the scheduler lists new blocks
+        # for the placement either way)
+        self._free_lru: OrderedDict[int, None] = OrderedDict()
+        self._zero_new_blocks = False
         install(None)  # a tier of an earlier engine in this process is not ours
+
+    def _split_layout(self) -> bool:
+        tier = current()
+        return tier is not None and tier.layout == "split"
+
+    def _unbind_meta_kv(self, kv_cache_config: Any) -> None:
+        """The split layout's attention groups own their KV; vLLM's per-layer tensors were
+        made on ``meta`` (no memory) and are rebound to empty tensors of the device, which is
+        all vLLM's forward uses them for (the device and dtype of a dependency token)."""
+        self._zero_new_blocks = bool(kv_cache_config.needs_kv_cache_zeroing)
+        context = self.model_runner.compilation_config.static_forward_context  # type: ignore[attr-defined]
+        for layer in context.values():
+            kv = getattr(layer, "kv_cache", None)
+            if isinstance(kv, torch.Tensor) and kv.device.type == "meta":
+                layer.kv_cache = torch.empty(0, dtype=kv.dtype, device=self.device)
 
     def _available_host_bytes(self) -> int:
         return psutil.virtual_memory().available
@@ -255,6 +332,8 @@ class _HostTierWorker:
     def determine_available_memory(self) -> int:
         device_budget = super().determine_available_memory()  # type: ignore[misc]
         offload = InfiniteHiPConfig.from_vllm_config(self.vllm_config).offload
+        if offload.layout == "split":
+            return self._size_split(offload, device_budget)
         tier = size_host_tier(
             offload,
             device_budget=device_budget,
@@ -269,12 +348,61 @@ class _HostTierWorker:
         )  # fmt: skip
         return tier.host_bytes
 
+    def _size_split(self, offload: OffloadConfig, device_budget: int) -> int:
+        specs = self.get_kv_cache_spec()  # type: ignore[attr-defined]
+        block_bytes = sum(spec.page_size_bytes for spec in specs.values())
+        block_size = next(iter(specs.values())).block_size
+        sched = self.vllm_config.scheduler_config
+        # a step allocates at most its tokens' blocks plus one per request crossing a boundary
+        min_gpu_pages = math.ceil(sched.max_num_batched_tokens / block_size) + sched.max_num_seqs
+        if self.device.type == "cuda":
+            # the staging of one max_model_len request's whole pages, one layer at a time,
+            # for the prefill chunks FlashAttention reads (backend._setup_split)
+            layer_page = next(iter(specs.values())).page_size_bytes
+            max_len = self.vllm_config.model_config.max_model_len
+            device_budget -= math.ceil(max_len / block_size) * layer_page
+        tier = size_split_tier(
+            offload, device_budget=device_budget, available_host=self._available_host_bytes(),
+            block_bytes=block_bytes, min_gpu_pages=min_gpu_pages,
+            workers_on_host=self.parallel_config.local_world_size,
+        )  # fmt: skip
+        install(tier)
+        logger.info(
+            "InfiniteHiP split KV: %d blocks (%d tokens); K of all and V of %d on %s (%s), V of "
+            "%d on the host (%s)", tier.num_blocks, tier.num_blocks * block_size, tier.gpu_pages,
+            self.device, _gib(tier.num_blocks * block_bytes // 2 + tier.gpu_pages * block_bytes
+                              // 2), tier.num_blocks - tier.gpu_pages, _gib(tier.host_bytes),
+        )  # fmt: skip
+        return tier.num_blocks * block_bytes
+
     def execute_model(self, scheduler_output: Any) -> Any:
         released = self._block_owners.released_by(scheduler_output)
         tier = current()
-        if released and tier is not None:
+        if tier is not None and tier.layout == "split":
+            scheduler_output = self._place_split(tier, scheduler_output)
+        elif released and tier is not None:
             tier.release(released)
         return super().execute_model(scheduler_output)  # type: ignore[misc]
+
+    def _place_split(self, tier: HostTier, so: Any) -> Any:
+        """Before the step: its new blocks' V homes (victims' V to the host), then vLLM's
+        zeroing and copy-on-write through the homes. vLLM's own code indexes its (unbacked)
+        tensors by block id, so both lists leave the output the runner sees."""
+        owners = self._block_owners
+        for b in owners.freed:  # least recently freed first
+            self._free_lru[b] = None
+            self._free_lru.move_to_end(b)
+        new = list(so.new_block_ids_to_zero or ())
+        for b in new:
+            self._free_lru.pop(b, None)
+        free = [b for b in self._free_lru if b not in owners.holders]
+        tier.place(new, owners.blocks, free)
+        if self._zero_new_blocks and new:
+            tier.zero(new)
+        copies = so.kv_cache_block_copies or ()
+        if copies:
+            tier.copy_blocks([c.src_block_id for c in copies], [c.dst_block_id for c in copies])
+        return dataclasses.replace(so, new_block_ids_to_zero=None, kv_cache_block_copies=None)
 
     def shutdown(self) -> None:
         super().shutdown()  # type: ignore[misc]
@@ -290,6 +418,20 @@ class InfiniteHiPWorker(_HostTierWorker, Worker, InfiniteHiPWorkerExtension):
     """vLLM's GPU worker with the host tier; its KV buffers are pinned host memory."""
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
+        if self._split_layout():
+            store = self._host_store = HostKVStore(self.device)
+
+            def host_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+                nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                if nbytes == 0:
+                    return torch.empty(shape, dtype=dtype, device=self.device)
+                return store.zeros(nbytes).view(dtype).view(shape)
+
+            current().host_alloc = host_pages
+            with host_kv_allocation(self.model_runner, self.use_v2_model_runner, None):
+                super().initialize_from_config(kv_cache_config)
+            self._unbind_meta_kv(kv_cache_config)
+            return
         self._host_store = HostKVStore(self.device)
         with host_kv_allocation(self.model_runner, self.use_v2_model_runner, self._host_store):
             super().initialize_from_config(kv_cache_config)
@@ -308,6 +450,14 @@ def _make_cpu_worker() -> type:
             # as CPUWorker measures it: the memory node its first CPU allocates from
             node = get_allowed_cpu_list()[0].numa_node
             return get_memory_node_info(node).available_memory
+
+        def initialize_from_config(self, kv_cache_config: Any) -> None:
+            if not self._split_layout():  # the KV is host memory already
+                return super().initialize_from_config(kv_cache_config)
+            v2 = getattr(self, "use_v2_model_runner", False)
+            with host_kv_allocation(self.model_runner, v2, None):
+                super().initialize_from_config(kv_cache_config)
+            self._unbind_meta_kv(kv_cache_config)
 
     InfiniteHiPCPUWorker.__module__ = __name__
     InfiniteHiPCPUWorker.__qualname__ = "InfiniteHiPCPUWorker"

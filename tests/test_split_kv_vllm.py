@@ -1,0 +1,108 @@
+"""The split layout of the host tier (``offload.layout: "split"``) through real vLLM on the CPU:
+capacity is GPU plus host memory, every block's K stays on the "GPU" (on the CPU, the device
+side of the layout), V lives there first and moves to the host past what it holds.
+
+The GPU side is sized to hold K for every block but V for only the pages one step may allocate
+(24 of them), so nearly every block's V is spilled to the host while the prompts are read and
+decode reads V from both sides: greedy tokens must equal the tier off, exactly. A smaller GPU
+side makes vLLM preempt and recompute; finished, aborted and preempted requests leave no block
+held.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from tests.conftest import ENGINE_KW, SMALL_HIP
+from tests.test_offload_vllm import PROMPTS, greedy, long_prompt
+
+pytestmark = pytest.mark.vllm
+
+MIB = 1 << 20
+# the tiny model's blocks: 128 tokens, 2 layers of fp32 K and V, 64 KiB of each per block.
+# 16 MiB hold K of 232 blocks and V of 24 (the pages one step may allocate: 2048 tokens in
+# blocks of 128, plus one per request), the rest of V goes to the host
+SPLIT = {"enabled": True, "layout": "split", "host_gib": 1, "gpu_gib": 16 * MIB / 2**30}
+
+
+def split_state(worker) -> dict:
+    """The worker's view: blocks held, the layout's sizes and how many V pages moved."""
+    from vllm_infinitehip.block_manager import tier as host_tier
+
+    tier = host_tier.current()
+    group = tier.groups[0]
+    return {"held": sum(1 for n in worker._block_owners.holders.values() if n > 0),
+            "num_blocks": tier.num_blocks, "gpu_pages": tier.gpu_pages,
+            "spilled": group.spilled_blocks, "preempted": worker._block_owners.preempted,
+            "host_homed": int((group.home < 0).sum())}  # fmt: skip
+
+
+def make(tiny_model, offload, **kw):
+    from vllm import LLM
+
+    return LLM(tiny_model, attention_backend="infinitehip",
+               additional_config={"infinitehip": {**SMALL_HIP, "offload": offload}},
+               **{**ENGINE_KW, **kw})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def split_llm(tiny_model, hip_llm):
+    llm = make(tiny_model, SPLIT)
+    yield llm
+    del llm
+    gc.collect()
+
+
+def test_a_batch_with_v_spilled_to_the_host_equals_the_tier_off(split_llm, hip_llm):
+    want = greedy(hip_llm, PROMPTS, 16)
+    assert greedy(split_llm, PROMPTS, 16) == want
+    state = split_llm.collective_rpc(split_state)[0]
+    assert (state["num_blocks"], state["gpu_pages"]) == (232, 24)
+    # the prompts' ~140 blocks went through 24 GPU pages: most V was read from the host
+    assert state["spilled"] > 100 and state["host_homed"] == 232 - 24
+
+
+def test_finished_and_aborted_requests_leave_no_block_held(split_llm):
+    from vllm import SamplingParams
+
+    greedy(split_llm, PROMPTS[:2], 6)
+    # the next step releases what finished; the short prompt's own block is released by the
+    # step after it, so one block stays held
+    greedy(split_llm, ["Hello, my name is"], 2)
+    assert split_llm.collective_rpc(split_state)[0]["held"] == 1
+    engine = split_llm.llm_engine
+    engine.add_request("abort-me", PROMPTS[2], SamplingParams(temperature=0, max_tokens=200))
+    for _ in range(8):
+        engine.step()
+    assert split_llm.collective_rpc(split_state)[0]["held"] > 0
+    engine.abort_request(["abort-me"])
+    greedy(split_llm, ["The capital of France is"], 2)
+    assert split_llm.collective_rpc(split_state)[0]["held"] == 1
+
+
+def test_preemption_under_a_small_gpu_side_keeps_greedy_output(tiny_model):
+    """5.5 MiB: K of 64 blocks. Two prompts of 25 blocks each fit at once, then outgrow it
+    while they decode 1000 tokens, so vLLM preempts one (recompute) and resumes it; what is recomputed is homed again. The oracle is
+    the tier off with the same 64 blocks, which schedules and preempts alike. Runs last: its
+    tier replaces the module engine's in this process."""
+    from vllm import LLM
+
+    off = LLM(tiny_model, attention_backend="infinitehip",
+              additional_config={"infinitehip": SMALL_HIP},
+              **{**ENGINE_KW, "kv_cache_memory_bytes": 64 * 128 * 1024})  # fmt: skip
+    prompts = [long_prompt(1100, "epsilon"), long_prompt(1100, "zeta")]
+    want = greedy(off, prompts, 1000)
+    del off
+    gc.collect()
+    llm = make(tiny_model, {**SPLIT, "gpu_gib": 5.5 * MIB / 2**30})
+    try:
+        got = greedy(llm, prompts, 1000)
+        greedy(llm, ["Hi"], 1)  # releases the last step's requests
+        state = llm.collective_rpc(split_state)[0]
+    finally:
+        del llm
+        gc.collect()
+    assert state["num_blocks"] == 64 and state["preempted"] > 0 and state["held"] <= 1
+    assert got == want
