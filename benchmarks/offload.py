@@ -23,6 +23,12 @@ The compiling warm-up call is excluded from every timing. Results: ``offload-gpu
 replaces it, or with ``--merge`` only the rows it measures), a PNG and a table on stdout.
 
     python benchmarks/offload.py --contexts 524288 --engines off bf16:16
+    python benchmarks/offload.py --contexts 1048576 --engines fp8-off fp8-split fp8-split:40
+
+Engines: ``off`` / ``fp8-off`` (the tier off), ``bf16:BANK_GIB`` / ``fp8:BANK_GIB`` (the
+``"host"`` layout, a bank of that size), ``bf16-split`` / ``fp8-split[:GPU_GIB]`` (the
+``"split"`` layout, its GPU side capped at GPU_GIB: the rest of V goes to the host). Each row
+has ``gpu_kv_gib`` / ``host_kv_gib``, where the request's KV is.
 """
 
 from __future__ import annotations
@@ -63,21 +69,28 @@ def kv_bytes_per_token(path: str, kv: str) -> int:
     return 2 * c.num_hidden_layers * kv_heads * head_dim * (1 if kv == "fp8" else 2)
 
 
-def parse_engine(name: str) -> tuple[str, float | None]:
-    """``off`` / ``fp8-off`` (tier off), ``bf16:BANK_GIB`` / ``fp8:BANK_GIB`` (tier on)."""
-    kv, _, bank = name.partition(":")
-    kv = "bf16" if kv == "off" else kv.removesuffix("-off")
-    return kv, float(bank) if bank else None
+def parse_engine(name: str) -> tuple[str, str, float | None]:
+    """``(kv dtype, layout, GiB)``: ``off`` / ``fp8-off`` (tier off: layout ``"off"``),
+    ``bf16:BANK_GIB`` / ``fp8:BANK_GIB`` (the ``"host"`` layout with a bank of that size),
+    ``bf16-split`` / ``fp8-split[:GPU_GIB]`` (the ``"split"`` layout, its GPU side capped)."""
+    kind, _, size = name.partition(":")
+    gib = float(size) if size else None
+    if kind in ("off", "fp8-off"):
+        return ("bf16" if kind == "off" else "fp8"), "off", None
+    if kind.endswith("-split"):
+        return kind.removesuffix("-split"), "split", gib
+    return kind, "host", gib
 
 
 def spec_for(name: str, max_len: int, host_gib: float) -> dict:
-    kv, bank = parse_engine(name)
+    kv, layout, gib = parse_engine(name)
     kw = engine_spec("3k-fast", max_len)
     if kv == "fp8":
         kw["kv_cache_dtype"] = "fp8"
-    if bank is not None:
+    if layout != "off":
         hip = dict(kw["additional_config"]["infinitehip"])
-        hip["offload"] = {"enabled": True, "host_gib": host_gib, "bank_gib": bank}
+        size = {"bank_gib": gib} if layout == "host" else {"gpu_gib": gib}
+        hip["offload"] = {"enabled": True, "layout": layout, "host_gib": host_gib, **size}
         kw["additional_config"] = {"infinitehip": hip}
     return kw
 
@@ -87,7 +100,7 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
     from vllm import LLM
 
 
-    kv, bank = parse_engine(name)
+    kv, layout, gib = parse_engine(name)
     path = common.resolve_model(model)
     per_token = kv_bytes_per_token(path, kv)
     t_start = time.perf_counter()
@@ -96,8 +109,10 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
 
     call = timed_generate(llm)
     rows = []
-    for ctx in contexts:
-        if time.perf_counter() - t_start > budget_s:
+    t_ready = time.perf_counter()
+    for i, ctx in enumerate(contexts):
+        # from when the engine is ready, and never before its first context (e2e.run_engine)
+        if i and time.perf_counter() - t_ready > budget_s:
             print(f"[offload] {name}: time budget spent before {ctx}", flush=True)
             break
         prompt = random_prompt(ctx - 1, ctx)
@@ -109,11 +124,20 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
         steady_s, cold_s = steady_decode_seconds(call, [prompt])
         stats = llm.collective_rpc("infinitehip_stats", kwargs={"reset": True})[0]
         tier = stats.get("tier", {})
+        # where the request's KV is: the split layout counts it; the host layout keeps all of
+        # it on the host (the GPU's banks are copies); the tier off on the GPU
+        split = stats.get("split", {})
+        kv_gib = ctx * per_token / 2**30
+        gpu_kv, host_kv = {"off": (kv_gib, 0.0), "host": (0.0, kv_gib)}.get(
+            layout, (split.get("gpu_kv_bytes", 0) / 2**30, split.get("host_kv_bytes", 0) / 2**30))
         # where a step's time goes: GPU time by kernel (graphs included) and the idle share
         host_share, kernels = decode_profile(call, [prompt], engine_s / DECODE_TOKENS)
         rows.append({
-            "context": ctx, "kv_dtype": kv, "offload": bank is not None, "bank_gib": bank,
-            "host_kv_gib": round(ctx * per_token / 2**30, 1) if bank else 0.0,
+            "context": ctx, "kv_dtype": kv, "offload": layout != "off", "layout": layout,
+            "bank_gib": gib if layout == "host" else None,
+            "gpu_gib": gib if layout == "split" else None,
+            "gpu_kv_gib": round(gpu_kv, 2), "host_kv_gib": round(host_kv, 2),
+            "spilled_blocks": split.get("spilled_blocks"),
             "engine": name, "init_s": round(init_s, 1),
             "decode_tok_s": round(DECODE_TOKENS / engine_s, 1),
             "decode_tok_s_wall_diff": round(DECODE_TOKENS / wall_s, 1),
@@ -189,12 +213,13 @@ def plot(rows: list[dict], path: Path) -> None:
     models = ", ".join(sorted({str(r.get("model") or "?") for r in rows}))
     ax.set_title(f"Host KV tier: {models} (dummy weights), vLLM 0.26", fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, title="KV dtype : bank GiB")
+    ax.legend(fontsize=8, title="KV dtype : bank / GPU GiB")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-COLUMNS = ["context", "kv_dtype", "offload", "bank_gib", "host_kv_gib", "prefill_s",
+COLUMNS = ["context", "kv_dtype", "layout", "bank_gib", "gpu_gib", "gpu_kv_gib", "host_kv_gib",
+           "prefill_s",
            "decode_tok_s", "decode_ratio_vs_tier_off", "decode_tok_s_steady",
            "decode_ratio_steady_vs_tier_off", "cold_start_s", "hit_ratio_mask", "hit_ratio_promote",
            "hit_ratio_attn",
@@ -214,7 +239,8 @@ def main() -> None:
                     help="off, fp8-off, bf16:BANK_GIB, fp8:BANK_GIB")
     ap.add_argument("--host-gib", type=float, default=80.0, help="host KV with the tier on")
     ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--budget-s", type=float, default=1e9, help="per engine")
+    ap.add_argument("--budget-s", type=float, default=1e9,
+                    help="per engine, from when it is ready (the first context always runs)")
     ap.add_argument("--out", default=str(common.RESULTS))
     ap.add_argument("--merge", action="store_true", help="keep rows already in the file")
     ap.add_argument("--worker", help=argparse.SUPPRESS)

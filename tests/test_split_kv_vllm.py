@@ -76,7 +76,12 @@ def test_finished_and_aborted_requests_leave_no_block_held(split_llm):
     engine.add_request("abort-me", PROMPTS[2], SamplingParams(temperature=0, max_tokens=200))
     for _ in range(8):
         engine.step()
-    assert split_llm.collective_rpc(split_state)[0]["held"] > 0
+    held = split_llm.collective_rpc(split_state)[0]["held"]
+    # the stats say where the live request's V is: 41 blocks, more than the GPU's 24 V pages
+    stats = split_llm.collective_rpc("infinitehip_stats")[0]["split"]
+    assert stats["held_gpu_v"] + stats["held_host_v"] == held > 24
+    assert stats["held_host_v"] > 0 and stats["host_kv_bytes"] == stats["held_host_v"] * 2**16
+    assert stats["gpu_kv_bytes"] == held * 2**16 + stats["held_gpu_v"] * 2**16
     engine.abort_request(["abort-me"])
     greedy(split_llm, ["The capital of France is"], 2)
     assert split_llm.collective_rpc(split_state)[0]["held"] == 1

@@ -76,7 +76,36 @@ def collect_stats(worker: Any, reset: bool = False) -> dict[str, Any]:
     on a GPU where CUDA's conditional graph nodes work, see step_branches.py and
     kernels/graph_if.py).
     """
-    return stats_of_impls(_impls(worker), reset=reset)
+    out = stats_of_impls(_impls(worker), reset=reset)
+    split = split_stats(worker)
+    if split:
+        out["split"] = split
+    return out
+
+
+def split_stats(worker: Any) -> dict[str, Any]:
+    """The host tier's split layout (``offload.layout`` "split"): its sizes, V pages moved to
+    the host so far, and where the V of the blocks live requests hold is now (``held_gpu_v`` /
+    ``held_host_v`` blocks; ``gpu_kv_bytes`` / ``host_kv_bytes``: those blocks' K and V on the
+    GPU and V on the host). Empty without it."""
+    from vllm_infinitehip.block_manager import tier as host_tier
+
+    tier = host_tier.current()
+    owners = getattr(worker, "_block_owners", None)
+    if tier is None or tier.layout != "split" or not tier.groups or owners is None:
+        return {}
+    held = [b for b, n in owners.holders.items() if n > 0]
+    out = {"num_blocks": tier.num_blocks, "gpu_pages": tier.gpu_pages, "spilled_blocks": 0,
+           "held_gpu_v": 0, "held_host_v": 0, "gpu_kv_bytes": 0, "host_kv_bytes": 0}  # fmt: skip
+    for group in tier.groups:  # one per attention group; one for a plain decoder
+        on_host = int((group.homes.home[held] < 0).sum()) if held else 0
+        k_block, v_block = group.k_plane[:, 0].nbytes, group.v_dev[:, 0].nbytes
+        out["spilled_blocks"] += group.spilled_blocks
+        out["held_gpu_v"] = len(held) - on_host
+        out["held_host_v"] = on_host
+        out["gpu_kv_bytes"] += len(held) * k_block + (len(held) - on_host) * v_block
+        out["host_kv_bytes"] += on_host * v_block
+    return out
 
 
 def stats_of_impls(impls: list, reset: bool = False) -> dict[str, Any]:
