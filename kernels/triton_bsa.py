@@ -57,6 +57,16 @@ def _tanh(x):
 
 
 @triton.jit
+def _page_of(bt_row_ptr, stride_btp, t, ok, kv_head, stride_tok, stride_head,
+             PAGE_SIZE: tl.constexpr):  # fmt: skip
+    """The cache page of tokens ``t`` (0 where ``~ok``) and their offset within a page."""
+    t = tl.where(ok, t, 0)
+    page = tl.load(bt_row_ptr + (t // PAGE_SIZE) * stride_btp, mask=ok, other=0).to(tl.int64)
+    # int64: page * stride_page overflows int32 for caches of a few GiB.
+    return page, (t % PAGE_SIZE).to(tl.int64) * stride_tok + kv_head * stride_head
+
+
+@triton.jit
 def paged_rows(
     kv_ptr,
     bt_row_ptr,
@@ -77,10 +87,8 @@ def paged_rows(
     ``+ stride_kv``. With ``HAS_BANK`` a page whose residency-table entry holds a slot is read
     from that slot of the bank (a GPU copy of host pages, same layout within a page), any other
     from the cache itself: the arithmetic after the load is the same either way."""
-    t = tl.where(ok, t, 0)
-    page = tl.load(bt_row_ptr + (t // PAGE_SIZE) * stride_btp, mask=ok, other=0).to(tl.int64)
-    # int64: page * stride_page overflows int32 for caches of a few GiB.
-    in_page = (t % PAGE_SIZE).to(tl.int64) * stride_tok + kv_head * stride_head
+    page, in_page = _page_of(bt_row_ptr, stride_btp, t, ok, kv_head, stride_tok, stride_head,
+                             PAGE_SIZE)  # fmt: skip
     rows = kv_ptr + page * stride_page + in_page
     if HAS_BANK:
         slot = tl.load(table_ptr + page, mask=ok, other=-1).to(tl.int64)
@@ -109,9 +117,8 @@ def split_rows(
     request and KV head when the host tier splits V from K (``reference.SplitV``): a block's V
     is on the GPU page ``table[block]`` of ``v_dev`` when that is ``>= 0``, else on host page
     ``-1 - table[block]``. The planes share their layout within a page."""
-    t = tl.where(ok, t, 0)
-    page = tl.load(bt_row_ptr + (t // PAGE_SIZE) * stride_btp, mask=ok, other=0).to(tl.int64)
-    in_page = (t % PAGE_SIZE).to(tl.int64) * stride_tok + kv_head * stride_head
+    page, in_page = _page_of(bt_row_ptr, stride_btp, t, ok, kv_head, stride_tok, stride_head,
+                             PAGE_SIZE)  # fmt: skip
     slot = tl.load(table_ptr + page, mask=ok, other=0).to(tl.int64)
     v_rows = tl.where(slot >= 0, v_dev_ptr + slot * stride_vpage + in_page,
                       v_host_ptr + (-1 - slot) * stride_vpage + in_page)  # fmt: skip

@@ -638,6 +638,20 @@ def test_dense_chunks_batched_equal_each_chunk_alone():
     assert torch.equal(got[:10], torch.full_like(q[:10], 3.0))
 
 
+def three_row_decode(gen: torch.Generator):
+    """A paged cache of three requests (700, 300 and 90 tokens), their decode queries and
+    selections, and row slots (the last row without one: dense)."""
+    seq_lens = [700, 300, 90]
+    kv, table = paged_cache(seq_lens, 16, 2, 64, torch.float32, gen)
+    rows = [random_starts(s, 12, n, 8, True, gen) for s, n in zip(seq_lens, [9, 12, 3])]
+    starts = torch.stack([r[0] for r in rows]).to(DEVICE)
+    n_valid = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(seq_lens), 8, 64, generator=gen).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([0, 1, -1], dtype=torch.int32, device=DEVICE)
+    return kv, table, q, lens, starts, n_valid, slots
+
+
 def bank_of(kv: torch.Tensor, n_resident: int, gen: torch.Generator):
     """A host-tier bank holding ``n_resident`` random pages of ``kv`` in shuffled slots (plus a
     spare), its residency table, and a copy of ``kv`` whose resident pages are NaN: a read
@@ -659,14 +673,7 @@ def test_decode_reads_resident_pages_from_the_bank(rope):
     """Through the bank, with the host's copies of resident pages poisoned, decode attention is
     bit-identical to reading the cache alone (a row without a slot attends densely too)."""
     gen = torch.Generator().manual_seed(11)
-    seq_lens = [700, 300, 90]
-    kv, table = paged_cache(seq_lens, 16, 2, 64, torch.float32, gen)
-    rows = [random_starts(s, 12, n, 8, True, gen) for s, n in zip(seq_lens, [9, 12, 3])]
-    starts = torch.stack([r[0] for r in rows]).to(DEVICE)
-    n_valid = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(len(seq_lens), 8, 64, generator=gen).to(DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    slots = torch.tensor([0, 1, -1], dtype=torch.int32, device=DEVICE)
+    kv, table, q, lens, starts, n_valid, slots = three_row_decode(gen)
     bank, host = bank_of(kv, kv.shape[0] // 2, gen)
 
     def decode(cache, bank=None):
@@ -733,14 +740,7 @@ def test_decode_reads_split_v_where_its_table_places_it(rope, poisoned_workspace
     """K from the plane, V from its GPU home, its bank copy or the host: bit-identical to the
     cache those bytes came from, with every other V page poisoned; the reference reads the same."""
     gen = torch.Generator().manual_seed(13)
-    seq_lens = [700, 300, 90]
-    kv, table = paged_cache(seq_lens, 16, 2, 64, torch.float32, gen)
-    rows = [random_starts(s, 12, n, 8, True, gen) for s, n in zip(seq_lens, [9, 12, 3])]
-    starts = torch.stack([r[0] for r in rows]).to(DEVICE)
-    n_valid = torch.tensor([r[1] for r in rows], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(len(seq_lens), 8, 64, generator=gen).to(DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    slots = torch.tensor([0, 1, -1], dtype=torch.int32, device=DEVICE)
+    kv, table, q, lens, starts, n_valid, slots = three_row_decode(gen)
     plane, split, _ = split_of(kv, gen)
 
     def decode(cache, **kw):
@@ -752,7 +752,7 @@ def test_decode_reads_split_v_where_its_table_places_it(rope, poisoned_workspace
     want = decode(kv)
     assert not torch.isnan(want).any()
     assert torch.equal(decode(plane, split=split), want)
-    for b, n in enumerate(seq_lens):
+    for b, n in enumerate(lens.tolist()):
         k, v = ref.gather_paged_kv(plane, table[b], n, split=split)
         assert torch.equal(torch.stack([k, v]), torch.stack(ref.gather_paged_kv(kv, table[b], n)))
     with pytest.raises(ValueError, match="page layout"):

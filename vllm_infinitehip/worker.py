@@ -74,6 +74,20 @@ def _host_bytes(offload: OffloadConfig, available_host: int, workers_on_host: in
     return host_bytes
 
 
+def _within_profiled(name: str, gib: float, device_budget: int) -> int:
+    """``gib`` of the GPU as bytes, refused (naming ``offload.<name>``) past what vLLM's memory
+    profiling left for KV."""
+    nbytes = int(gib * GIB)
+    if nbytes > device_budget:
+        raise InfiniteHiPConfigError(
+            f"`infinitehip.offload.{name}`={gib} ({_gib(nbytes)}) exceeds the "
+            f"{_gib(max(device_budget, 0))} that vLLM's memory profiling left for KV on the GPU "
+            f"(gpu_memory_utilization, or kv_cache_memory_bytes): lower it, leave it unset for "
+            f"all of that, or raise gpu_memory_utilization"
+        )
+    return nbytes
+
+
 def size_host_tier(
     offload: OffloadConfig,
     *,
@@ -109,14 +123,7 @@ def size_host_tier(
     if offload.bank_gib is None:
         bank_bytes = device_budget
     else:
-        bank_bytes = int(offload.bank_gib * GIB)
-        if bank_bytes > device_budget:
-            raise InfiniteHiPConfigError(
-                f"`{where}.bank_gib`={offload.bank_gib} ({_gib(bank_bytes)}) exceeds the "
-                f"{_gib(max(device_budget, 0))} that vLLM's memory profiling left for KV on the "
-                f"GPU (gpu_memory_utilization, or kv_cache_memory_bytes): lower it, leave it "
-                f"unset for all of that, or raise gpu_memory_utilization"
-            )
+        bank_bytes = _within_profiled("bank_gib", offload.bank_gib, device_budget)
     if bank_bytes <= 0:
         raise InfiniteHiPConfigError(
             f"`{where}`: vLLM's memory profiling left no GPU memory for the bank "
@@ -142,13 +149,7 @@ def size_split_tier(
     host = _host_bytes(offload, available_host, workers_on_host)
     gpu_bytes = device_budget
     if offload.gpu_gib is not None:
-        gpu_bytes = int(offload.gpu_gib * GIB)
-        if gpu_bytes > device_budget:
-            raise InfiniteHiPConfigError(
-                f"`{where}.gpu_gib`={offload.gpu_gib} ({_gib(gpu_bytes)}) exceeds the "
-                f"{_gib(max(device_budget, 0))} that vLLM's memory profiling left for KV: lower "
-                f"it, leave it unset for all of that, or raise gpu_memory_utilization"
-            )
+        gpu_bytes = _within_profiled("gpu_gib", offload.gpu_gib, device_budget)
     half = block_bytes // 2
     try:
         cap = split_capacity(gpu_bytes, host, half, block_bytes - half, min_gpu_pages)
