@@ -159,3 +159,22 @@ def test_host_tier_on_and_off_give_the_same_greedy_tokens(generate, bank):
         assert stats["tier"]["key_rows_filled"] > 0 and stats["tier"]["key_row_hits"] > 0
         assert stats["tier"]["hit_ratio_mask"] > 0
     assert on["tokens"] == off["tokens"]
+
+
+def test_split_layout_on_and_off_give_the_same_greedy_tokens(generate):
+    """The host tier's split layout (``offload.layout`` "split"), CUDA graphs on: K of every
+    block on the GPU, V of 36 blocks there and the rest in pinned host memory, read over the bus
+    by decode and sparse prefill and staged for dense chunks. Greedy tokens equal the tier off
+    with the same chunking. CPU twin: tests/test_split_kv_vllm.py."""
+    engine = {**GRAPHS, "max_num_batched_tokens": 512}
+    off = generate("infinitehip", {**engine, "additional_config": {"infinitehip": SMALL}},
+                   max_tokens=24)  # fmt: skip
+    # the tiny Llama's 16-token blocks hold 8 KiB of K and of V over its 2 layers: 5 MiB keep K
+    # of 604 blocks and V of the 36 one step may allocate (512 tokens, 4 requests)
+    split = {"enabled": True, "layout": "split", "host_gib": 0.25, "gpu_gib": 5 / 1024}
+    on = generate("infinitehip", {**engine, "additional_config": {
+        "infinitehip": {**SMALL, "offload": split}}}, max_tokens=24)  # fmt: skip
+    stats = on["report"]["stats"]
+    assert stats["sparse_decode_queries"] > 0 and stats["sparse_prefill_queries"] > 0
+    assert stats["split"]["gpu_pages"] == 36 and stats["split"]["spilled_blocks"] > 0
+    assert on["tokens"] == off["tokens"]
