@@ -87,6 +87,31 @@ def test_finished_and_aborted_requests_leave_no_block_held(split_llm):
     assert split_llm.collective_rpc(split_state)[0]["held"] == 1
 
 
+def test_fp8_kv_split_equals_fp8_with_the_tier_off(tiny_model, hip_llm):
+    """``kv_cache_dtype="fp8"``: the K plane and both sides' V pages hold e4m3 bytes (a quarter
+    of fp32's), written quantized and dequantized on every read; V of 24 blocks on the GPU
+    side, the rest spilled. Runs after the module engine's tests: its tier replaces theirs."""
+    def run(offload):
+        hip = {**SMALL_HIP, **({"offload": offload} if offload else {})}
+        from vllm import LLM
+
+        llm = LLM(tiny_model, attention_backend="infinitehip", kv_cache_dtype="fp8",
+                  additional_config={"infinitehip": hip}, **ENGINE_KW)  # fmt: skip
+        try:
+            tokens = greedy(llm, PROMPTS[:2], 16)
+            state = llm.collective_rpc(split_state)[0] if offload else None
+            return tokens, state
+        finally:
+            del llm
+            gc.collect()
+
+    want, _ = run(None)
+    # fp8 blocks are 16 KiB of K and of V: 4 MiB hold K of 232 blocks and V of 24
+    got, state = run({**SPLIT, "gpu_gib": 4 * MIB / 2**30})
+    assert (state["num_blocks"], state["gpu_pages"]) == (232, 24) and state["spilled"] > 0
+    assert got == want
+
+
 def test_preemption_under_a_small_gpu_side_keeps_greedy_output(tiny_model):
     """5.5 MiB: K of 64 blocks. Two prompts of 25 blocks each fit at once, then outgrow it
     while they decode 1000 tokens, so vLLM preempts one (recompute) and resumes it; what is recomputed is homed again. The oracle is
