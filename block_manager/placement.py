@@ -5,15 +5,15 @@ id, so the pruning stages never wait on the host. Its V has one *home*: one of `
 V pages in HBM or one of the ``num_blocks - gpu_pages`` pages of pinned host memory. The homes
 are a permutation of the pages: a block always has exactly one, and no two blocks share one.
 This module is the placement policy alone, on host ints (numpy), with no copy of its own: the
-worker applies what it returns, and the kernels read V through :attr:`VHomes.home`. The worker
-does not use it yet.
+worker applies what it returns (``split_kv.SplitKV``), and the kernels read V through the
+homes.
 
 A step's newly allocated blocks hold nothing worth keeping (vLLM writes them now) and are read at
 every later step, so they are given GPU homes. A new block homed on the host swaps homes with a
 *victim* on the GPU (:meth:`VHomes.place`): the victim's V is copied to the new block's host
 page (a :class:`Spill`, enqueued before the step's forward on its stream), and the new block
 takes the victim's GPU page without a copy. No V is lost, only moved: a spilled block that a
-request or the prefix cache still holds is read from the host afterwards (through the bank).
+request or the prefix cache still holds is read from the host afterwards.
 
 Victims, best first (:func:`victim_order`): GPU-homed blocks no running request holds (free,
 perhaps prefix-cached), least recently freed first; then held blocks by their distance from the
@@ -89,7 +89,7 @@ class VHomes:
 
 
 def victim_order(
-    homes: VHomes, held: Mapping[str, Sequence[int]], free_lru: Sequence[int]
+    homes: VHomes, held: Mapping[str, Sequence[int]], free_lru: Iterable[int]
 ) -> Iterator[int]:
     """GPU-homed blocks whose V may move to the host, best first: ``free_lru`` (blocks no
     running request holds, least recently freed first), then the blocks ``held`` by requests

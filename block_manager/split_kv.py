@@ -27,12 +27,11 @@ from vllm_infinitehip.kernels.reference import SplitV
 class SplitKV:
     def __init__(
         self, num_layers: int, num_blocks: int, gpu_pages: int, page_shape: tuple[int, ...],
-        dtype: torch.dtype, device: torch.device, host_device: torch.device | None = None,
-        host_alloc=None,
+        dtype: torch.dtype, device: torch.device, host_alloc=None,
     ) -> None:  # fmt: skip
         """``page_shape``: one plane of a page, ``(block, H, D)``. ``host_alloc(shape, dtype)``
         makes the host pages (pinned and mapped on a GPU); by default ``torch.zeros`` on
-        ``host_device`` (the CPU, or ``device`` where the host is the device)."""
+        ``device`` (the CPU, where host memory is the device's)."""
         self.homes = VHomes(num_blocks, gpu_pages)
         host_pages = num_blocks - gpu_pages
         self.k_plane = torch.zeros(num_layers, num_blocks, 1, *page_shape, dtype=dtype,
@@ -42,14 +41,10 @@ class SplitKV:
         if host_alloc is not None:
             self.v_host = host_alloc(shape, dtype)
         else:
-            self.v_host = torch.zeros(shape, dtype=dtype, device=host_device or device)
+            self.v_host = torch.zeros(shape, dtype=dtype, device=device)
         self.home = torch.tensor(self.homes.home, dtype=torch.int32, device=device)
         self.table = self.home.repeat(num_layers, 1)
         self.spilled_blocks = 0
-
-    @property
-    def num_layers(self) -> int:
-        return self.k_plane.shape[0]
 
     def layer(self, i: int) -> tuple[torch.Tensor, SplitV]:
         """Layer ``i``'s K plane (a cache of one plane) and V, as the kernels take them."""
@@ -61,15 +56,16 @@ class SplitKV:
     ) -> list[Spill]:  # fmt: skip
         """Home this step's new blocks on the GPU, spilling victims' V to the host (see
         :func:`~.placement.victim_order` for ``held`` and ``free_lru``); returns the spills."""
-        spills = self.homes.place(new_blocks, victim_order(self.homes, held, list(free_lru)))
+        spills = self.homes.place(new_blocks, victim_order(self.homes, held, free_lru))
         if not spills:
             return spills
         dev = self.home.device
         gpu = torch.tensor([s.gpu_page for s in spills], dtype=torch.long, device=dev)
-        host = torch.tensor([s.host_page for s in spills], dtype=torch.long, device=dev)
+        host = torch.tensor([s.host_page for s in spills], dtype=torch.long,
+                            device=self.v_host.device)  # fmt: skip
         # the victims' V, every layer, to the host pages the new blocks leave; enqueued before
         # the step writes the new blocks into those GPU pages
-        self.v_host[:, host.to(self.v_host.device)] = self.v_dev[:, gpu].to(self.v_host.device)
+        self.v_host[:, host] = self.v_dev[:, gpu].to(self.v_host.device)
         moved = [s.block for s in spills] + [int(self.homes.gpu_block[s.gpu_page])
                                              for s in spills]  # fmt: skip
         blocks = torch.tensor(moved, dtype=torch.long, device=dev)

@@ -827,10 +827,10 @@ def test_split_writes_equal_the_cache_written_whole(fp8):
     # rows of a wider tensor, as vLLM's fused qkv hands them over
     qkv = torch.randn(n_tok, 3, 2, 32, generator=gen)
     if fp8 and not _GPU:
-        # Triton 3.6's interpreter rounds fp32 -> e4m3 wrongly where rounding carries into the
-        # exponent (1.98 -> 1.0); on values x / scale that e4m3 holds exactly, the conversion
+        # Triton's interpreter converts fp32 to e4m3 wrongly where rounding carries into the
+        # exponent (1.98 -> 1.0); on values x / scale that e4m3 holds exactly the conversion
         # is exact, so the writer's routing and scaling are still checked bit for bit. Compiled,
-        # random values check the hardware's rounding against torch's too.
+        # random values check the GPU's rounding against torch's too.
         qkv = qkv.to(torch.float8_e4m3fn).float()
         qkv[:, 1] *= FP8_SCALES[0]
         qkv[:, 2] *= FP8_SCALES[1]

@@ -179,6 +179,7 @@ class BlockOwners:
         self.blocks: dict[str, list[int]] = {}
         self.holders: Counter[int] = Counter()
         self.freed: list[int] = []  # the blocks the last step's output freed
+        self.taken: list[int] = []  # the blocks it handed to requests (new, appended, hits)
         self.preempted = 0  # requests vLLM preempted, over the engine's life
 
     def _drop(self, req_id: str) -> list[int]:
@@ -191,6 +192,7 @@ class BlockOwners:
         ids = [b for group in block_ids for b in group]
         self.blocks.setdefault(req_id, []).extend(ids)
         self.holders.update(ids)
+        self.taken.extend(ids)
 
     def released_by(self, scheduler_output: Any) -> list[int]:
         """Follow one step's output; return the block ids to release before it runs: the blocks
@@ -211,6 +213,7 @@ class BlockOwners:
         for b in freed:
             del self.holders[b]
         self.freed = sorted(freed)
+        self.taken = []
         for new in so.scheduled_new_reqs:
             self._hold(new.req_id, new.block_ids)
         for req_id, new_block_ids in zip(cached.req_ids, cached.new_block_ids):
@@ -393,11 +396,10 @@ class _HostTierWorker:
         for b in owners.freed:  # least recently freed first
             self._free_lru[b] = None
             self._free_lru.move_to_end(b)
-        new = list(so.new_block_ids_to_zero or ())
-        for b in new:
+        for b in owners.taken:  # held again: new blocks, and prefix-cache hits
             self._free_lru.pop(b, None)
-        free = [b for b in self._free_lru if b not in owners.holders]
-        tier.place(new, owners.blocks, free)
+        new = list(so.new_block_ids_to_zero or ())
+        tier.place(new, owners.blocks, self._free_lru.keys())
         if self._zero_new_blocks and new:
             tier.zero(new)
         copies = so.kv_cache_block_copies or ()
