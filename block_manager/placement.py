@@ -15,7 +15,7 @@ page (a :class:`Spill`, enqueued before the step's forward on its stream), and t
 takes the victim's GPU page without a copy. No V is lost, only moved: a spilled block that a
 request or the prefix cache still holds is read from the host afterwards.
 
-Victims, best first (:func:`victim_order`): GPU-homed blocks no running request holds (free,
+Victims, best first (:class:`Victims`): GPU-homed blocks no running request holds (free,
 perhaps prefix-cached), least recently freed first; then held blocks by their distance from the
 nearer end of their request, farthest first (the sink and the window are read at every step,
 the middle only where a mask selects it).
@@ -23,6 +23,8 @@ the middle only where a mask selects it).
 
 from __future__ import annotations
 
+import heapq
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -66,7 +68,7 @@ class VHomes:
 
     def place(self, new_blocks: Sequence[int], victims: Iterable[int]) -> list[Spill]:
         """Give every block of ``new_blocks`` (allocated this step) a GPU home; return the copies
-        that keep the victims' V. ``victims``: candidates best first (:func:`victim_order`);
+        that keep the victims' V. ``victims``: candidates best first (:meth:`Victims.order`);
         new blocks and blocks already on the host are passed over. Raises ``RuntimeError`` when
         the candidates run out: more blocks are new in one step than the GPU holds pages."""
         new = set(new_blocks)
@@ -88,25 +90,68 @@ class VHomes:
         return spills
 
 
-def victim_order(
-    homes: VHomes, held: Mapping[str, Sequence[int]], free_lru: Iterable[int]
-) -> Iterator[int]:
-    """GPU-homed blocks whose V may move to the host, best first: ``free_lru`` (blocks no
-    running request holds, least recently freed first), then the blocks ``held`` by requests
-    (request id -> its blocks in order) by distance from the nearer end of their request,
-    farthest first. A block may come more than once (shared prefixes); :meth:`VHomes.place`
-    passes over those already moved."""
-    for block in free_lru:
-        if homes.on_gpu(block):
-            yield block
-    ranked = sorted(
-        ((min(i, len(blocks) - 1 - i), block) for blocks in held.values()
-         for i, block in enumerate(blocks)),
-        key=lambda rank: -rank[0],
-    )  # fmt: skip
-    for _, block in ranked:
-        if homes.on_gpu(block):
-            yield block
+class Victims:
+    """GPU-homed blocks whose V may move to the host, best first, kept across steps so that
+    finding a victim costs no Python loop over what the GPU holds:
+
+    1. free blocks (no running request holds them; perhaps prefix-cached), least recently freed
+       first: an ordered dict of exactly the free GPU-homed blocks, followed from what each step
+       frees and hands out (:meth:`follow`) and what it spills (:meth:`spilled`);
+    2. then the blocks ``held`` by requests (request id -> its blocks in order) by distance
+       from the nearer end of their request, farthest first (the sink and the window are read
+       at every step, the middle only where a mask selects it); ties go to the earlier request,
+       then the earlier block. Each request's blocks are kept as a numpy array that grows with
+       its list (vLLM only appends to a running request's blocks; a resumed request's list is
+       a new list), and ranked, filtered and merged in numpy, lazily: only when the free
+       blocks run out.
+
+    A block may come more than once (shared prefixes); :meth:`VHomes.place` passes over those
+    already moved."""
+
+    def __init__(self, homes: VHomes) -> None:
+        self.homes = homes
+        self.free: OrderedDict[int, None] = OrderedDict()
+        # request id -> (the list the worker holds, its blocks as an array so far)
+        self._held: dict[str, tuple[Sequence[int], np.ndarray]] = {}
+
+    def follow(self, freed: Iterable[int], taken: Iterable[int]) -> None:
+        """One step's output: ``freed`` (no live request holds them now, least recently freed
+        first) and ``taken`` (handed to requests: new blocks and prefix-cache hits)."""
+        for block in freed:
+            if self.homes.on_gpu(block):
+                self.free[block] = None
+                self.free.move_to_end(block)
+        for block in taken:
+            self.free.pop(block, None)
+
+    def spilled(self, spills: Iterable[Spill]) -> None:
+        for s in spills:
+            self.free.pop(s.block, None)
+
+    def order(self, held: Mapping[str, Sequence[int]]) -> Iterator[int]:
+        yield from self.free
+        ranked = [self._ranked(req, blocks) for req, blocks in held.items()]
+        for req in self._held.keys() - held.keys():
+            del self._held[req]
+        for _, block in heapq.merge(*ranked, key=lambda rank_block: rank_block[0]):
+            yield int(block)
+
+    def _ranked(self, req: str, blocks: Sequence[int]) -> Iterator[tuple[int, int]]:
+        """``req``'s GPU-homed blocks as (-rank, block), best first."""
+        kept, arr = self._held.get(req, (None, None))
+        if kept is not blocks or arr is None or len(arr) > len(blocks):
+            arr = np.asarray(blocks, dtype=np.int64)
+        elif len(arr) < len(blocks):
+            arr = np.concatenate([arr, np.asarray(blocks[len(arr):], dtype=np.int64)])
+        self._held[req] = (blocks, arr)
+        n = len(arr)
+        # middle out: rank r holds blocks r and n-1-r (one block when they meet, n odd)
+        r = np.arange((n - 1) // 2, -1, -1)
+        idx = np.stack([r, n - 1 - r], axis=1).ravel()[n % 2:]
+        on_gpu = self.homes.home[arr[idx]] >= 0
+        idx = idx[on_gpu]
+        # lazily: a step takes a few victims of tens of thousands
+        return zip(iter(-np.minimum(idx, n - 1 - idx)), iter(arr[idx]))
 
 
 @dataclass(frozen=True)

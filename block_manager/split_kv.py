@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from vllm_infinitehip.block_manager.placement import Spill, VHomes, victim_order
+from vllm_infinitehip.block_manager.placement import Spill, VHomes, Victims
 from vllm_infinitehip.kernels.reference import SplitV
 
 
@@ -33,6 +33,7 @@ class SplitKV:
         makes the host pages (pinned and mapped on a GPU); by default ``torch.zeros`` on
         ``device`` (the CPU, where host memory is the device's)."""
         self.homes = VHomes(num_blocks, gpu_pages)
+        self.victims = Victims(self.homes)
         host_pages = num_blocks - gpu_pages
         self.k_plane = torch.zeros(num_layers, num_blocks, 1, *page_shape, dtype=dtype,
                                    device=device)  # fmt: skip
@@ -52,11 +53,14 @@ class SplitKV:
 
     def place(
         self, new_blocks: Sequence[int], held: Mapping[str, Sequence[int]],
-        free_lru: Iterable[int],
+        freed: Iterable[int] = (), taken: Iterable[int] = (),
     ) -> list[Spill]:  # fmt: skip
-        """Home this step's new blocks on the GPU, spilling victims' V to the host (see
-        :func:`~.placement.victim_order` for ``held`` and ``free_lru``); returns the spills."""
-        spills = self.homes.place(new_blocks, victim_order(self.homes, held, free_lru))
+        """Home this step's new blocks on the GPU, spilling victims' V to the host; returns the
+        spills. ``held``: request id -> its blocks; ``freed`` / ``taken``: the blocks the step's
+        output freed and handed out (:class:`~.placement.Victims`)."""
+        self.victims.follow(freed, taken)
+        spills = self.homes.place(new_blocks, self.victims.order(held))
+        self.victims.spilled(spills)
         if not spills:
             return spills
         dev = self.home.device

@@ -44,10 +44,11 @@ class HostTier:
     def register_split(self, group) -> None:
         self.groups.append(group)
 
-    def place(self, new_blocks, held, free_lru) -> None:
-        """The split layout's step: GPU homes for ``new_blocks``, victims' V to the host."""
+    def place(self, new_blocks, held, freed, taken) -> None:
+        """The split layout's step: GPU homes for ``new_blocks``, victims' V to the host
+        (``SplitKV.place``)."""
         for group in self.groups:
-            group.place(new_blocks, held, free_lru)
+            group.place(new_blocks, held, freed, taken)
 
     def zero(self, blocks) -> None:
         for group in self.groups:

@@ -10,7 +10,19 @@ import numpy as np
 
 import pytest
 
-from vllm_infinitehip.block_manager.placement import VHomes, split_capacity, victim_order
+from vllm_infinitehip.block_manager.placement import VHomes, Victims, split_capacity
+
+
+def brute_force_victims(h: VHomes, held, free_lru) -> list[int]:
+    """The victim order by its definition, an independent oracle: free GPU-homed blocks least
+    recently freed first, then every held GPU-homed block by its distance from the nearer end
+    of its request, farthest first, ties in request then block order (a stable sort)."""
+    ranked = sorted(
+        ((min(i, len(blocks) - 1 - i), block) for blocks in held.values()
+         for i, block in enumerate(blocks)),
+        key=lambda rank: -rank[0],
+    )  # fmt: skip
+    return [b for b in free_lru if h.on_gpu(b)] + [b for _, b in ranked if h.on_gpu(b)]
 
 
 def assert_homes_are_a_permutation(h: VHomes) -> None:
@@ -35,7 +47,8 @@ def test_blocks_start_in_order_and_fit_all_on_the_gpu_as_the_tier_off():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_traffic_reads_every_block_from_its_one_home(seed):
-    """Requests come, grow and leave; vLLM hands out the least recently freed block. After
+    """Requests come, grow and leave; vLLM hands out the least recently freed block. The kept
+    victim order equals the brute-force one at every step. After
     every step's placement and copies, each block written so far (freed ones too: the prefix
     cache may hit them) reads back what was written, and the step's new blocks are on the GPU."""
     rng = random.Random(seed)
@@ -46,16 +59,26 @@ def test_random_traffic_reads_every_block_from_its_one_home(seed):
     written: dict[int, object] = {}
     held: dict[str, list[int]] = {}
     free_lru = list(range(n))
+    victims = Victims(h)
+    victims.follow(free_lru, ())
     spilled = 0
     for step in range(300):
+        freed = []
         for req in list(held):
             if rng.random() < 0.1:
-                free_lru.extend(held.pop(req))
+                freed += held.pop(req)
+                if freed and rng.random() < 0.3:  # preempted and resumed at once: a new, shorter list
+                    held[req] = [freed.pop()]
+        free_lru += freed
         new = [free_lru.pop(0) for _ in range(min(rng.randint(1, 6), len(free_lru)))]
         req = rng.choice([*held, f"r{step}"])
         held.setdefault(req, []).extend(new)
+        taken = new + [b for blocks in held.values() for b in blocks if b in freed]
 
-        spills = h.place(new, victim_order(h, held, free_lru))
+        victims.follow(freed, taken)
+        assert list(victims.order(held)) == brute_force_victims(h, held, free_lru)
+        spills = h.place(new, victims.order(held))
+        victims.spilled(spills)
         for s in spills:  # the copies run before the step writes
             assert s.block not in new and gpu_mem[s.gpu_page] == written.get(s.block)
             host_mem[s.host_page] = gpu_mem[s.gpu_page]
@@ -75,7 +98,9 @@ def test_random_traffic_reads_every_block_from_its_one_home(seed):
 def test_victims_are_free_blocks_first_then_the_middle_of_requests():
     h = VHomes(12, 12)
     held = {"a": [0, 1, 2, 3, 4, 5, 6], "b": [7, 8, 9]}
-    order = list(victim_order(h, held, free_lru=[11, 10]))
+    victims = Victims(h)
+    victims.follow([11, 10], ())
+    order = list(victims.order(held))
     assert order[:2] == [11, 10]
     assert order[2] == 3  # the middle of "a": 3 blocks from either end
     assert set(order[3:5]) == {2, 4}
@@ -85,7 +110,9 @@ def test_victims_are_free_blocks_first_then_the_middle_of_requests():
 def test_too_many_new_blocks_for_the_gpu_is_an_error():
     h = VHomes(8, 2)
     with pytest.raises(RuntimeError, match="3 blocks are new in one step"):
-        h.place([5, 6, 7], victim_order(h, {"a": [5, 6, 7]}, free_lru=[0, 1]))
+        victims = Victims(h)
+        victims.follow([0, 1], ())
+        h.place([5, 6, 7], victims.order({"a": [5, 6, 7]}))
 
 
 def brute_force_capacity(gpu, host, k, v, min_gpu):

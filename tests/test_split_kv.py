@@ -35,13 +35,15 @@ def test_random_traffic_reads_back_what_the_whole_cache_holds(seed):
     free_lru = list(range(n))
     written: set[int] = set()
     for step in range(120):
+        freed = []
         for req in list(held):
             if rng.random() < 0.15:
-                free_lru.extend(held.pop(req))
+                freed += held.pop(req)
+        free_lru += freed
         new = [free_lru.pop(0) for _ in range(min(rng.randint(1, 3), len(free_lru)))]
         req = rng.choice([*held, f"r{step}"])
         held.setdefault(req, []).extend(new)
-        kv.place(new, held, free_lru)
+        kv.place(new, held, freed, new)
         # the step writes its new blocks, every token and layer (a new block's page holds
         # another block's bytes until then, and vLLM reads no token before writing it)
         slots = torch.tensor([b * PAGE + o for b in new for o in range(PAGE)])

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -308,10 +308,8 @@ class _HostTierWorker:
         super().__init__(*args, **kwargs)
         self._block_owners = BlockOwners()
         self._host_store: HostKVStore | None = None
-        # the split layout: free blocks, least recently freed first (spill victims), and
-        # whether the model needs vLLM's zeroing of new blocks (the scheduler lists new blocks
-        # for the placement either way)
-        self._free_lru: OrderedDict[int, None] = OrderedDict()
+        # the split layout: whether the model needs vLLM's zeroing of new blocks (the scheduler
+        # lists new blocks for the placement either way)
         self._zero_new_blocks = False
         install(None)  # a tier of an earlier engine in this process is not ours
 
@@ -393,13 +391,8 @@ class _HostTierWorker:
         zeroing and copy-on-write through the homes. vLLM's own code indexes its (unbacked)
         tensors by block id, so both lists leave the output the runner sees."""
         owners = self._block_owners
-        for b in owners.freed:  # least recently freed first
-            self._free_lru[b] = None
-            self._free_lru.move_to_end(b)
-        for b in owners.taken:  # held again: new blocks, and prefix-cache hits
-            self._free_lru.pop(b, None)
         new = list(so.new_block_ids_to_zero or ())
-        tier.place(new, owners.blocks, self._free_lru.keys())
+        tier.place(new, owners.blocks, owners.freed, owners.taken)
         if self._zero_new_blocks and new:
             tier.zero(new)
         copies = so.kv_cache_block_copies or ()
