@@ -457,11 +457,15 @@ def select_rep_scores(
     chunk_rotation: tuple[torch.Tensor, RopeTable] | None = None,
     head_reduction: str = "max",
     exact: bool = False,
+    landmarks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Score every candidate chunk of every query block with SelectRep (§1.4).
 
     ``exact``: score each chunk by its best key (every key probed, against the left-branch
     queries) instead of bisecting; meant for the last stage, whose chunks are a few keys.
+    ``landmarks`` (``[T, H_q]``, :func:`landmark_scores`; not with ``exact``): score each chunk
+    by one key per head, its representative (the chunk's key of the highest landmark score in
+    that head; :func:`landmark_representatives`), instead of bisecting.
 
     RoPE remapping (§2): ``q_pooled_right`` scores right-branch probes with other queries (the
     relative style puts the left and right probe keys at different positions); with
@@ -490,7 +494,8 @@ def select_rep_scores(
     # Score just the probed keys when keys turn per chunk or when probes are few next to the
     # keys, else look them up in a whole-context table. Decided once per call, so that every
     # group computes its products the same way (the two ways round differently).
-    use_table = chunk_rotation is None and 4 * bisect_steps(chunk_size) * c >= num_keys
+    probes = 1 if landmarks is not None and not exact else 4 * bisect_steps(chunk_size)
+    use_table = chunk_rotation is None and probes * c >= num_keys
     group = max(1, SELECT_REP_GROUP_BYTES // (hq * c * d * 4))
     parts = []
     for lo in range(0, nb, group):
@@ -499,7 +504,7 @@ def select_rep_scores(
             q_pooled[sl], k, Candidates(cand.starts[sl], cand.valid[sl]), chunk_size,
             key_limit[sl], probe, None if q_pooled_right is None else q_pooled_right[sl],
             None if chunk_rotation is None else (chunk_rotation[0][sl], chunk_rotation[1]),
-            num_keys, use_table, head_reduction, exact,
+            num_keys, use_table, head_reduction, exact, landmarks,
         ))  # fmt: skip
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -517,6 +522,7 @@ def _select_rep_group(
     use_table: bool,
     head_reduction: str,
     exact: bool = False,
+    landmarks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`select_rep_scores` for one group of query blocks (``num_keys``: the call's)."""
     nb, hq = q_pooled.shape[:2]
@@ -571,6 +577,10 @@ def _select_rep_group(
                 break
             best = torch.where(live, torch.maximum(best, probe_score(pos)), best)
         n_steps = 0
+    elif landmarks is not None:
+        reps = landmark_representatives(landmarks[:num_keys], left, right, chunk_size)
+        best = torch.where(valid, probe_score(reps), best)
+        n_steps = 0
     for _ in range(n_steps):
         live = valid & (right - left > 1)
         if not bool(live.any()):
@@ -591,6 +601,56 @@ def _select_rep_group(
     best = torch.where(single, probe_score(left), best)
     best = best.masked_fill(~valid, NEG_INF)
     return reduce_heads(best, head_reduction)
+
+
+# The queries after a key that its landmark score averages (the authors' later releases).
+LANDMARK_WINDOW = 512
+
+
+def landmark_scores(
+    q: torch.Tensor, k: torch.Tensor, scale: float, q_start: int = 0,
+    window: int = LANDMARK_WINDOW,
+) -> torch.Tensor:  # fmt: skip
+    """``[T, H_q]``: each key's landmark score per query head, the mean of its scaled logits
+    ``scale * q_p . k_t`` over the queries that follow it, ``t < p <= t + window``, among
+    ``q`` (``[Nq, H_q, D]`` at positions ``q_start ..``; ``k``: ``[T, H_kv, D]`` at ``0 ..``).
+    A key that no query follows scores ``-inf``. Query-independent: how much the text right
+    after a key reads it, so a chunk's best-scored key stands for the chunk
+    (:func:`landmark_representatives`) where bisection may miss a sharp one."""
+    nq, hq, d = q.shape
+    t_keys, hkv = k.shape[:2]
+    qs = (q.float() * scale).view(nq, hkv, hq // hkv, d)
+    out = torch.full((t_keys, hq), NEG_INF, device=k.device)
+    for a in range(0, t_keys, window):  # a key tile reads at most two tiles of queries
+        b = min(t_keys, a + window)
+        p0, p1 = max(a + 1, q_start), min(b + window, q_start + nq)
+        if p1 <= p0:
+            continue
+        s = torch.einsum("mhgd,nhd->nhgm", qs[p0 - q_start : p1 - q_start], k[a:b].float())
+        pos = torch.arange(p0, p1, device=k.device)
+        t = torch.arange(a, b, device=k.device).view(-1, 1)
+        band = (pos > t) & (pos <= t + window)  # [n, m]
+        count = band.sum(-1)
+        mean = s.masked_fill(~band.view(b - a, 1, 1, -1), 0.0).sum(-1) / count.clamp(min=1).view(
+            -1, 1, 1
+        )
+        out[a:b] = torch.where(count.view(-1, 1) > 0, mean.reshape(b - a, hq), NEG_INF)
+    return out
+
+
+def landmark_representatives(
+    landmarks: torch.Tensor, left: torch.Tensor, right: torch.Tensor, chunk_size: int
+) -> torch.Tensor:
+    """Per head, the key of ``[left, right)`` (``[..., H_q, C]``, at most ``chunk_size`` keys)
+    with the highest landmark score (``[T, H_q]``); the first key where none scores."""
+    span = torch.arange(chunk_size, device=left.device)
+    pos = left.unsqueeze(-1) + span  # [..., H_q, C, l]
+    inside = pos < right.unsqueeze(-1)
+    hq = landmarks.shape[1]
+    head = torch.arange(hq, device=left.device).view(hq, 1, 1)
+    scores = landmarks.t()[head, pos.clamp(0, landmarks.shape[0] - 1)]
+    scores = scores.masked_fill(~inside, NEG_INF)
+    return left + scores.argmax(-1)
 
 
 HEAD_REDUCTIONS = ("max", "log-softmax", "z-score")
@@ -658,6 +718,7 @@ def run_stages(
     start_stage: int = 0,
     start_input: Candidates | None = None,
     reduce_scores: ScoreReduce | None = None,
+    landmarks: torch.Tensor | None = None,
 ) -> PruneResult:
     """The N-stage hierarchical pruning for every query block of one request (§1.1, §1.5).
 
@@ -666,6 +727,8 @@ def run_stages(
     ``reduce_scores`` combines every stage's head-reduced scores across processes before its
     top-k (``tp_mask: "global"``: the max over all tensor-parallel ranks' heads); it runs once
     per stage whatever the branch, so that every rank makes the same collective calls.
+    ``landmarks`` (``[T, H_q]``, :func:`landmark_scores`): every stage but an exact last one
+    scores each chunk by its landmark representatives instead of bisecting.
     """
     seq_len = k.shape[0]
     rope = params.rope
@@ -698,7 +761,7 @@ def run_stages(
         else:
             exact = params.exact_last_stage and i == n_stages - 1
             scores = _block_scores(params, q, k, true_qk, st, scale, scored, key_limit,
-                                   block_min_pos, block_last, exact)  # fmt: skip
+                                   block_min_pos, block_last, exact, landmarks)  # fmt: skip
         if reduce_scores is not None:
             scores = reduce_scores(scores)
         kept_starts, kept_valid = keep_top_chunks(scores, scored, keep)
@@ -803,23 +866,25 @@ def _stage_scores(
     key_limit: torch.Tensor,
     block_min_pos: torch.Tensor,
     exact: bool = False,
+    landmarks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SelectRep scores of one stage, with the layer's RoPE style (§2) when it has one."""
     rope = params.rope
     how = params.head_reduction
     if rope is None or rope.pruning == "none":
         return select_rep_scores(qp, k, cand, chunk_size, key_limit, params.probe,
-                                 head_reduction=how, exact=exact)  # fmt: skip
+                                 head_reduction=how, exact=exact,
+                                 landmarks=landmarks)  # fmt: skip
     sw = params.scan_window
     if rope.pruning == "relative":
         q_left, q_right = relative_queries(qp, rope.table, sw)
         return select_rep_scores(q_left, k, cand, chunk_size, key_limit, params.probe,
                                  q_pooled_right=q_right, head_reduction=how,
-                                 exact=exact)  # fmt: skip
+                                 exact=exact, landmarks=landmarks)  # fmt: skip
     delta = chunk_indexed_key_turn(cand.starts.shape[1], block_min_pos, sw)
     return select_rep_scores(qp, k, cand, chunk_size, key_limit, params.probe,
                              chunk_rotation=(delta, rope.table), head_reduction=how,
-                             exact=exact)  # fmt: skip
+                             exact=exact, landmarks=landmarks)  # fmt: skip
 
 
 def _block_scores(
@@ -834,6 +899,7 @@ def _block_scores(
     block_min_pos: torch.Tensor,
     block_last: torch.Tensor,
     exact: bool = False,
+    landmarks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`_stage_scores` for the query blocks the layer remaps (``q``, ``k`` un-rotated to
     position 0 then) and true-position scores for the others (``true_qk``: the queries and keys
@@ -843,7 +909,8 @@ def _block_scores(
     def true_scores() -> torch.Tensor:
         qp = pool_queries(true_qk[0], st.block_size_q, st.query_stride) * scale
         return select_rep_scores(qp, true_qk[1], cand, st.chunk_size, key_limit, params.probe,
-                                 head_reduction=params.head_reduction, exact=exact)  # fmt: skip
+                                 head_reduction=params.head_reduction, exact=exact,
+                                 landmarks=landmarks)  # fmt: skip
 
     if rope is None or rope.pruning == "none":
         return true_scores()
@@ -851,7 +918,8 @@ def _block_scores(
     if not bool(remapped.any()):
         return true_scores()
     qp = pool_queries(q, st.block_size_q, st.query_stride) * scale
-    scores = _stage_scores(params, qp, k, cand, st.chunk_size, key_limit, block_min_pos, exact)
+    scores = _stage_scores(params, qp, k, cand, st.chunk_size, key_limit, block_min_pos, exact,
+                           landmarks)
     if bool(remapped.all()):
         return scores
     # only a chunk whose blocks lie on both sides of the trained length pays for both
