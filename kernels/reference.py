@@ -607,21 +607,24 @@ def _select_rep_group(
 LANDMARK_WINDOW = 512
 
 
-def landmark_scores(
+def landmark_sums(
     q: torch.Tensor, k: torch.Tensor, scale: float, q_start: int = 0,
-    window: int = LANDMARK_WINDOW,
-) -> torch.Tensor:  # fmt: skip
-    """``[T, H_q]``: each key's landmark score per query head, the mean of its scaled logits
-    ``scale * q_p . k_t`` over the queries that follow it, ``t < p <= t + window``, among
-    ``q`` (``[Nq, H_q, D]`` at positions ``q_start ..``; ``k``: ``[T, H_kv, D]`` at ``0 ..``).
-    A key that no query follows scores ``-inf``. Query-independent: how much the text right
-    after a key reads it, so a chunk's best-scored key stands for the chunk
-    (:func:`landmark_representatives`) where bisection may miss a sharp one."""
+    window: int = LANDMARK_WINDOW, per_group: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """What one call's queries add to the keys' landmark scores: ``(sums [T, H], counts [T])``.
+
+    ``q``: ``[Nq, H_q, D]`` at positions ``q_start ..`` (unscaled, rotated as cached); ``k``:
+    ``[T, H_kv, D]`` at ``0 ..``. Query ``p`` adds ``scale * q_p . k_t`` to key ``t`` when
+    ``t < p <= t + window``; ``counts[t]`` is how many queries did. ``H`` is ``H_q`` (a score
+    per query head), or with ``per_group`` ``H_kv`` (summed over the group's query heads: one
+    score, and so one representative, per KV head). Calls add up: the keys of a prompt
+    prefilled in chunks get the same sums as in one call."""
     nq, hq, d = q.shape
     t_keys, hkv = k.shape[:2]
     qs = (q.float() * scale).view(nq, hkv, hq // hkv, d)
-    out = torch.full((t_keys, hq), NEG_INF, device=k.device)
-    for a in range(0, t_keys, window):  # a key tile reads at most two tiles of queries
+    sums = torch.zeros(t_keys, hkv if per_group else hq, device=k.device)
+    counts = torch.zeros(t_keys, dtype=torch.int64, device=k.device)
+    for a in range(max(0, q_start - window), t_keys, window):  # a tile reads two of queries
         b = min(t_keys, a + window)
         p0, p1 = max(a + 1, q_start), min(b + window, q_start + nq)
         if p1 <= p0:
@@ -630,27 +633,63 @@ def landmark_scores(
         pos = torch.arange(p0, p1, device=k.device)
         t = torch.arange(a, b, device=k.device).view(-1, 1)
         band = (pos > t) & (pos <= t + window)  # [n, m]
-        count = band.sum(-1)
-        mean = s.masked_fill(~band.view(b - a, 1, 1, -1), 0.0).sum(-1) / count.clamp(min=1).view(
-            -1, 1, 1
-        )
-        out[a:b] = torch.where(count.view(-1, 1) > 0, mean.reshape(b - a, hq), NEG_INF)
-    return out
+        tile = s.masked_fill(~band.view(b - a, 1, 1, -1), 0.0).sum(-1)  # [n, H_kv, g]
+        sums[a:b] = tile.sum(-1) if per_group else tile.reshape(b - a, hq)
+        counts[a:b] = band.sum(-1)
+    return sums, counts
+
+
+def landmark_means(sums: torch.Tensor, counts: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """Landmark scores from :func:`landmark_sums` (summed over ``group`` query heads per
+    column): the mean logit, ``-inf`` for a key that no query followed."""
+    n = counts.view(-1, 1).to(sums.dtype) * group
+    return torch.where(n > 0, sums / n.clamp(min=1), NEG_INF)
+
+
+def landmark_scores(
+    q: torch.Tensor, k: torch.Tensor, scale: float, q_start: int = 0,
+    window: int = LANDMARK_WINDOW, per_group: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """``[T, H]``: each key's landmark score, the mean of its scaled logits over the queries
+    that follow it within ``window`` (:func:`landmark_sums`; per query head, or with
+    ``per_group`` over the query heads of its KV head), ``-inf`` where none does.
+    Query-independent: how much the text right after a key reads it, so a chunk's best-scored
+    key stands for the chunk (:func:`landmark_representatives`) where bisection may miss a
+    sharp one."""
+    sums, counts = landmark_sums(q, k, scale, q_start, window, per_group)
+    return landmark_means(sums, counts, q.shape[1] // k.shape[1] if per_group else 1)
 
 
 def landmark_representatives(
     landmarks: torch.Tensor, left: torch.Tensor, right: torch.Tensor, chunk_size: int
 ) -> torch.Tensor:
-    """Per head, the key of ``[left, right)`` (``[..., H_q, C]``, at most ``chunk_size`` keys)
-    with the highest landmark score (``[T, H_q]``); the first key where none scores."""
+    """Per query head, the key of ``[left, right)`` (``[..., H_q, C]``, at most ``chunk_size``
+    keys) with the highest landmark score (``[T, H]``: ``H`` divides ``H_q``, and query head
+    ``h`` reads column ``h // (H_q / H)``); the first key where none scores."""
     span = torch.arange(chunk_size, device=left.device)
     pos = left.unsqueeze(-1) + span  # [..., H_q, C, l]
     inside = pos < right.unsqueeze(-1)
-    hq = landmarks.shape[1]
-    head = torch.arange(hq, device=left.device).view(hq, 1, 1)
-    scores = landmarks.t()[head, pos.clamp(0, landmarks.shape[0] - 1)]
+    hq = left.shape[-2]
+    column = (torch.arange(hq, device=left.device) // (hq // landmarks.shape[1])).view(hq, 1, 1)
+    scores = landmarks.t()[column, pos.clamp(0, landmarks.shape[0] - 1)]
     scores = scores.masked_fill(~inside, NEG_INF)
     return left + scores.argmax(-1)
+
+
+def landmark_table(
+    landmarks: torch.Tensor, sink: int, chunk_size: int, n_chunks: int
+) -> torch.Tensor:
+    """``[n_chunks, H]`` int32: the representative of every aligned chunk ``[sink + j l,
+    sink + (j + 1) l)`` (cut at the ``T`` keys of ``landmarks [T, H]``) per landmark column,
+    what :func:`landmark_representatives` picks for a chunk that ends before its block's key
+    limit; the kernels read it by chunk ordinal."""
+    t_keys, h = landmarks.shape
+    padded = torch.full((n_chunks * chunk_size, h), NEG_INF, device=landmarks.device)
+    n = max(0, min(t_keys - sink, n_chunks * chunk_size))
+    padded[:n] = landmarks[sink : sink + n]
+    best = padded.view(n_chunks, chunk_size, h).argmax(1)
+    starts = sink + chunk_size * torch.arange(n_chunks, device=landmarks.device).view(-1, 1)
+    return (starts + best).to(torch.int32)
 
 
 HEAD_REDUCTIONS = ("max", "log-softmax", "z-score")

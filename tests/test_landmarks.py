@@ -38,6 +38,41 @@ def test_landmark_scores_are_the_mean_logit_of_the_following_queries(q_start, wi
         assert bool(got[: q_start - window].isinf().all())
 
 
+def test_a_prompt_prefilled_in_chunks_gets_the_sums_of_one_call():
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(300, 4, 8, generator=g)
+    k = torch.randn(300, 2, 8, generator=g)
+    for per_group in (False, True):
+        whole = ref.landmark_sums(q, k, 0.5, window=32, per_group=per_group)
+        sums, counts = torch.zeros_like(whole[0]), torch.zeros_like(whole[1])
+        for lo, hi in ((0, 100), (100, 117), (117, 300)):  # keys as far as the chunk's end
+            s, c = ref.landmark_sums(q[lo:hi], k[:hi], 0.5, q_start=lo, window=32,
+                                     per_group=per_group)  # fmt: skip
+            sums[:hi] += s
+            counts[:hi] += c
+        torch.testing.assert_close(sums, whole[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(counts, whole[1])
+    # one score per KV head: the sum over its query heads, and the mean over them all
+    per_head, counts = ref.landmark_sums(q, k, 0.5, window=32)
+    per_kv, _ = ref.landmark_sums(q, k, 0.5, window=32, per_group=True)
+    torch.testing.assert_close(per_kv, per_head.view(300, 2, 2).sum(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        ref.landmark_scores(q, k, 0.5, window=32, per_group=True)[:-1],
+        ref.landmark_scores(q, k, 0.5, window=32)[:-1].view(299, 2, 2).mean(-1))
+
+
+def test_the_aligned_table_picks_each_chunks_representative():
+    g = torch.Generator().manual_seed(6)
+    landmarks = torch.randn(100, 2, generator=g)
+    landmarks[40:45] = float("-inf")
+    table = ref.landmark_table(landmarks, sink=4, chunk_size=16, n_chunks=7)
+    for j in range(7):
+        lo, hi = 4 + 16 * j, min(100, 4 + 16 * (j + 1))
+        for h in range(2):
+            want = lo + int(landmarks[lo:hi, h].argmax()) if lo < 100 else lo
+            assert int(table[j, h]) == want, (j, h)
+
+
 def test_a_representative_is_its_chunks_best_scored_key_in_each_head():
     g = torch.Generator().manual_seed(1)
     landmarks = torch.randn(50, 3, generator=g)

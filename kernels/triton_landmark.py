@@ -1,0 +1,196 @@
+"""Landmark scores kept per KV slot, added to by each prefill chunk (Triton, and the PyTorch
+reference beside it).
+
+A key's landmark score is the mean of its scaled logits over the ``window`` queries that follow
+it (:func:`reference.landmark_sums`). The scores live in a per-layer state shaped like the
+cache's pages, ``[num_pages, page_size, H + 1]`` float32: per slot the sums of ``H`` columns (a
+query head each, or a KV head each, summed over its query heads) and, last, the count of
+queries added. A prefill chunk at positions ``[s, s + n)`` adds its queries to the keys
+``[s - window, s + n)``: the keys it writes, and the earlier chunk's last ``window`` keys, whose
+followers it holds. Chunks add up to what one call gives, so a prompt's scores do not depend on
+how vLLM chunked it; a prefix-cache hit reuses its pages' scores as written.
+
+Kernel layout: one program per (tile of ``BLOCK_T`` keys, landmark column). A tile's followers
+span at most ``BLOCK_T + window`` queries: ``[BLOCK_T, D] x [D, BLOCK_Q]`` products, masked to
+the band, summed along the queries. Programs own disjoint (slot, column) cells, so a
+read-modify-write needs no atomics; the count column is written by column 0's programs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference as ref
+from .triton_bsa import kv_quant_args
+
+
+@triton.jit
+def _landmark_kernel(
+    q_ptr,
+    k_ptr,
+    block_table_ptr,
+    state_ptr,
+    k_scale_ptr,
+    q_start,
+    n_q,
+    key_lo,
+    head_dim,
+    scale,
+    stride_qn,
+    stride_qh,
+    stride_qd,
+    stride_kpage,
+    stride_ktok,
+    stride_khead,
+    stride_kd,
+    stride_spage,
+    stride_stok,
+    stride_sh,
+    WINDOW: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEADS_PER_COLUMN: tl.constexpr,
+    N_COLUMNS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    column = tl.program_id(1)
+    offs_t = key_lo + tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    q_end = q_start + n_q
+    t_in = offs_t < q_end
+    offs_d = tl.arange(0, BLOCK_D)
+    d_in = offs_d < head_dim
+    kv_head = (column * HEADS_PER_COLUMN) // GROUP
+
+    page = tl.load(block_table_ptr + offs_t // PAGE_SIZE, mask=t_in, other=0).to(tl.int64)
+    in_page = (offs_t % PAGE_SIZE).to(tl.int64)
+    k = tl.load(k_ptr + page[:, None] * stride_kpage + in_page[:, None] * stride_ktok
+                + kv_head * stride_khead + offs_d[None, :] * stride_kd,
+                mask=t_in[:, None] & d_in[None, :], other=0.0)  # fmt: skip
+    if KV_FP8:
+        k = k.to(tl.float32) * tl.load(k_scale_ptr)
+    k = k.to(tl.float32)
+
+    first_t = key_lo + tile * BLOCK_T
+    p_lo = tl.maximum(first_t + 1, q_start)
+    p_hi = tl.minimum(first_t + BLOCK_T + WINDOW, q_end)  # exclusive
+    acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for p0 in range(p_lo, p_hi, BLOCK_Q):
+        offs_p = p0 + tl.arange(0, BLOCK_Q)
+        p_in = offs_p < p_hi
+        band = (offs_p[None, :] > offs_t[:, None]) & (offs_p[None, :] <= offs_t[:, None] + WINDOW)
+        band = band & p_in[None, :] & t_in[:, None]
+        for j in tl.static_range(HEADS_PER_COLUMN):
+            head = column * HEADS_PER_COLUMN + j
+            q = tl.load(q_ptr + (offs_p - q_start).to(tl.int64)[None, :] * stride_qn
+                        + head * stride_qh + offs_d[:, None] * stride_qd,
+                        mask=p_in[None, :] & d_in[:, None], other=0.0)  # fmt: skip
+            s = tl.dot(k, q.to(tl.float32) * scale, input_precision="ieee")  # [BLOCK_T, BLOCK_Q]
+            acc += tl.sum(tl.where(band, s, 0.0), axis=1)
+
+    cell = state_ptr + page * stride_spage + in_page * stride_stok
+    old = tl.load(cell + column * stride_sh, mask=t_in, other=0.0)
+    tl.store(cell + column * stride_sh, old + acc, mask=t_in)
+    if column == 0:
+        # followers of t in this call: (t, t + WINDOW] within [q_start, q_end)
+        lo = tl.maximum(offs_t + 1, q_start)
+        hi = tl.minimum(offs_t + WINDOW, q_end - 1)
+        count = tl.maximum(hi - lo + 1, 0).to(tl.float32)
+        counted = tl.load(cell + N_COLUMNS * stride_sh, mask=t_in, other=0.0)
+        tl.store(cell + N_COLUMNS * stride_sh, counted + count, mask=t_in)
+
+
+def check_state(state: torch.Tensor, kv_cache: torch.Tensor, hq: int) -> int:
+    """The state's landmark columns ``H`` (``H_q`` or ``H_kv``); raises on a bad shape."""
+    pages, page_size = kv_cache.shape[0], kv_cache.shape[2]
+    hkv = kv_cache.shape[3]
+    if (state.dim() != 3 or state.shape[:2] != (pages, page_size)
+            or state.shape[2] - 1 not in (hq, hkv) or state.dtype != torch.float32):  # fmt: skip
+        raise ValueError(
+            f"landmark state {tuple(state.shape)} {state.dtype} must be [{pages}, {page_size}, "
+            f"H + 1] float32 with H = {hq} (per query head) or {hkv} (per KV head)"
+        )
+    return state.shape[2] - 1
+
+
+def landmark_accumulate(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table_row: torch.Tensor,
+    q_start: int,
+    state: torch.Tensor,
+    scale: float,
+    *,
+    window: int = ref.LANDMARK_WINDOW,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+) -> None:
+    """Add one request's prefill chunk (``q [n, H_q, D]`` at positions ``q_start ..``, its keys
+    already in the cache) to the landmark ``state`` in place, as
+    :func:`landmark_accumulate_reference` does."""
+    n, hq, d = q.shape
+    h = check_state(state, kv_cache, hq)
+    if n == 0:
+        return
+    cache, k_sc, _, fp8 = kv_quant_args(kv_cache, k_scale, v_scale)
+    hkv, page_size = kv_cache.shape[3], kv_cache.shape[2]
+    key_lo = max(0, q_start - window)
+    block_t, block_q = 32, 64
+    grid = (triton.cdiv(q_start + n - key_lo, block_t), h)
+    _landmark_kernel[grid](
+        q, cache, block_table_row, state, k_sc, q_start, n, key_lo, d, scale,
+        *q.stride(), cache.stride(0), cache.stride(2), cache.stride(3), cache.stride(4),
+        *state.stride(),
+        WINDOW=window, GROUP=hq // hkv, HEADS_PER_COLUMN=hq // h, N_COLUMNS=h,
+        PAGE_SIZE=page_size, BLOCK_T=block_t, BLOCK_Q=block_q,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), KV_FP8=fp8, num_warps=4,
+    )  # fmt: skip
+
+
+def landmark_accumulate_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table_row: torch.Tensor,
+    q_start: int,
+    state: torch.Tensor,
+    scale: float,
+    *,
+    window: int = ref.LANDMARK_WINDOW,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+) -> None:
+    """:func:`reference.landmark_sums` of the chunk over the request's keys, added to the
+    state's slots (columns ``:H``) and counts (column ``H``)."""
+    n, hq, _ = q.shape
+    h = check_state(state, kv_cache, hq)
+    if n == 0:
+        return
+    end = q_start + n
+    page_size = kv_cache.shape[2]
+    blocks = block_table_row[: -(-end // page_size)].long()
+    k, _ = ref.gather_paged_kv(kv_cache, blocks, end, k_scale=k_scale, v_scale=v_scale)
+    sums, counts = ref.landmark_sums(q, k, scale, q_start, window,
+                                     per_group=h != hq)  # fmt: skip
+    lo = max(0, q_start - window)
+    t = torch.arange(lo, end, device=kv_cache.device)
+    slots = blocks[t // page_size] * page_size + t % page_size
+    flat = state.view(-1, h + 1)
+    flat[slots, :h] += sums[lo:]
+    flat[slots, h] += counts[lo:].to(state.dtype)
+
+
+def landmark_means_paged(
+    state: torch.Tensor, block_table_row: torch.Tensor, seq_len: int, group: int
+) -> torch.Tensor:
+    """``[seq_len, H]``: a request's landmark scores from the state (``group``: query heads
+    summed per column), ``-inf`` where no query has followed a key yet."""
+    page_size = state.shape[1]
+    t = torch.arange(seq_len, device=state.device)
+    slots = block_table_row[t // page_size].long() * page_size + t % page_size
+    cells = state.view(-1, state.shape[2])[slots]
+    return ref.landmark_means(cells[:, :-1], cells[:, -1], group)

@@ -1,0 +1,108 @@
+"""The landmark state kernel (kernels/triton_landmark.py) against its PyTorch reference and the
+one-call sums of kernels/reference.py.
+
+Without a GPU the kernel runs in Triton's CPU interpreter (``TRITON_INTERPRET=1`` set while this
+module imports and its tests run, then restored, as in test_triton_prune.py); with one, compiled.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["_TRITON_INTERPRET_BEFORE"] = os.environ.get("TRITON_INTERPRET", "<unset>")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+from triton.runtime.interpreter import InterpretedFunction
+from vllm_infinitehip.kernels import reference as ref
+from vllm_infinitehip.kernels import triton_landmark as tlm
+
+_SAVED_INTERPRET = os.environ.pop("_TRITON_INTERPRET_BEFORE", None)
+INTERPRETED = isinstance(tlm._landmark_kernel, InterpretedFunction)
+DEVICE = "cpu" if INTERPRETED else "cuda"
+
+pytestmark = [
+    pytest.mark.skipif(
+        not INTERPRETED and not torch.cuda.is_available(),
+        reason="no GPU, and triton was imported before this module could set "
+        "TRITON_INTERPRET=1, so the CPU interpreter cannot run: run this file alone",
+    ),
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_env():
+    if not INTERPRETED:
+        yield
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if _SAVED_INTERPRET == "<unset>":
+            os.environ.pop("TRITON_INTERPRET", None)
+        elif _SAVED_INTERPRET is not None:
+            os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
+
+
+PAGE = 16
+
+
+def paged_prompt(seed: int, t: int, hq: int, hkv: int, d: int, fp8: bool = False):
+    """Queries and keys of one prompt, the keys in a paged cache on shuffled pages."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, hq, d, generator=g)
+    k = torch.randn(t, hkv, d, generator=g)
+    n_pages = -(-t // PAGE)
+    pages = torch.randperm(n_pages + 3, generator=g)[:n_pages]
+    cache = torch.zeros(n_pages + 3, 2, PAGE, hkv, d)
+    for i, p in enumerate(pages.tolist()):
+        rows = k[i * PAGE : (i + 1) * PAGE]
+        cache[p, 0, : rows.shape[0]] = rows
+    if fp8:
+        # values exactly representable in e4m3 (the interpreter rounds others wrongly)
+        k = (k * 4).round().clamp(-8, 8) / 4
+        cache = torch.zeros_like(cache)
+        for i, p in enumerate(pages.tolist()):
+            rows = k[i * PAGE : (i + 1) * PAGE]
+            cache[p, 0, : rows.shape[0]] = rows
+        cache = cache.to(ref.FP8_DTYPE).view(torch.uint8)
+    return q.to(DEVICE), k.to(DEVICE), cache.to(DEVICE), pages.to(torch.int32).to(DEVICE)
+
+
+@pytest.mark.parametrize("per_group", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_chunks_added_by_the_kernel_equal_the_reference_and_one_call(per_group, fp8):
+    t, hq, hkv, d, window = 150, 4, 2, 16, 24
+    q, k, cache, table = paged_prompt(3, t, hq, hkv, d, fp8)
+    h = hkv if per_group else hq
+    state = torch.zeros(cache.shape[0], PAGE, h + 1, device=DEVICE)
+    want = torch.zeros_like(state)
+    scales = dict(k_scale=1.0, v_scale=1.0) if fp8 else {}
+    for lo, hi in ((0, 40), (40, 41), (41, 150)):
+        tlm.landmark_accumulate(q[lo:hi], cache, table, lo, state, 0.3, window=window, **scales)
+        tlm.landmark_accumulate_reference(q[lo:hi], cache, table, lo, want, 0.3, window=window,
+                                          **scales)  # fmt: skip
+    torch.testing.assert_close(state, want, rtol=1e-5, atol=1e-4)
+    # the request's scores read back are the one-call scores of the whole prompt
+    group = hq // h
+    means = tlm.landmark_means_paged(state, table, t, group)
+    kf = ref.gather_paged_kv(cache, table.long(), t, **scales)[0]
+    torch.testing.assert_close(
+        means, ref.landmark_scores(q, kf, 0.3, window=window, per_group=per_group),
+        rtol=1e-5, atol=1e-4)  # fmt: skip
+    # slots no request owns stay zero
+    used = set(table.tolist())
+    for p in range(cache.shape[0]):
+        if p not in used:
+            assert not bool(state[p].any())
+
+
+def test_a_bad_state_is_refused():
+    q, _, cache, table = paged_prompt(1, 20, 4, 2, 16)
+    with pytest.raises(ValueError, match="landmark state"):
+        tlm.landmark_accumulate(q, cache, table, 0, torch.zeros(cache.shape[0], PAGE, 4), 0.3)
