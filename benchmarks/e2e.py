@@ -64,7 +64,7 @@ DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B"
 
 
 ENGINE_MODIFIERS = ("ext", "vllm-scheduler", "mp", "qb128", "qb256", "tp2", "ray", "rules",
-                    "paper", "extend")
+                    "paper", "extend", "landmark")
 # ``+rules``: the selection rules that are not the paper's (z-score head ranking, exact last
 # stage, window candidates dropped at every stage, pruning remapped below the trained length);
 # ``+paper``: the paper's (and this plugin's before them); ``+extend``: reused decode blocks
@@ -95,7 +95,8 @@ def engine_spec(name: str, max_len: int, trained: int | None = None) -> dict:
     first pruning stage scores query blocks of 128 / 256 queries (16 pooled each), the later
     stages 64 (neighbouring blocks share the first stage's prefill work). ``+rules`` /
     ``+paper``: the selection rules set one way or the other, ``+extend``: reused decode
-    blocks read past their end (:data:`SELECTION_RULES`). ``+tp2`` (also on
+    blocks read past their end (:data:`SELECTION_RULES`). ``+landmark``: the prefill's
+    stages score chunks by landmark representatives. ``+tp2`` (also on
     ``flash_attn``): tensor parallelism over two GPUs, with vLLM's ``mp`` executor, or with
     ``+ray`` its Ray executor (``--distributed-executor-backend ray``, a local Ray cluster)."""
     kw = dict(load_format="dummy", dtype="bfloat16", max_model_len=max_len,
@@ -127,6 +128,8 @@ def engine_spec(name: str, max_len: int, trained: int | None = None) -> dict:
             stages = [dataclasses.asdict(st) for st in PRESETS[preset]["stages"]]
             stages[0].update(block_size_q=block, query_stride=block // 16)
             hip["stages"] = stages
+    if "landmark" in mods:  # prefill pruning by landmark representatives
+        hip["prefill_representatives"] = "landmark"
     if "vllm-scheduler" in mods:  # async scheduling is on for these engines
         kw["scheduler_cls"] = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
     return {**kw, "attention_backend": "infinitehip", "additional_config": {"infinitehip": hip}}

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 from vllm_infinitehip.kernels import decode as dec
 from vllm_infinitehip.kernels import reference as ref
-from vllm_infinitehip.kernels.query_blocks import DenseRows, QueryBlocks
+from vllm_infinitehip.kernels.query_blocks import DenseRows, QueryBlocks, RequestPart
 
 
 @dataclass
@@ -97,11 +97,23 @@ class AttentionOps(Protocol):
                      k_scale: float | torch.Tensor | None = None,
                      v_scale: float | torch.Tensor | None = None,
                      shared: dict | None = None,
-                     split: ref.SplitV | None = None) -> ref.PruneResult:  # fmt: skip
+                     split: ref.SplitV | None = None,
+                     landmarks: torch.Tensor | None = None) -> ref.PruneResult:  # fmt: skip
         """``shared``: one dict for the calls of one layer over one cache (a batch's kinds of
         part), where an implementation keeps what they can reuse (the turned-back keys).
         ``split`` (here and below): ``kv_cache`` is the host tier's K plane, V is where
-        ``split`` places it (``reference.SplitV``)."""
+        ``split`` places it (``reference.SplitV``). ``landmarks``: the layer's landmark state
+        (``triton_landmark``): stages before an exact last one score each chunk by its
+        landmark representatives."""
+        ...
+
+    def add_landmarks(self, chunks: tuple[RequestPart, ...], q: torch.Tensor,
+                      kv_cache: torch.Tensor, block_table: torch.Tensor, state: torch.Tensor,
+                      scale: float, window: int, *, k_scale: float | torch.Tensor | None = None,
+                      v_scale: float | torch.Tensor | None = None,
+                      split: ref.SplitV | None = None) -> None:  # fmt: skip
+        """Add each prefill chunk's queries (its keys written) to the landmark state, each to
+        the ``window`` keys before it."""
         ...
 
     def attend_blocks(self, params: ref.PruneParams, blocks: QueryBlocks, q: torch.Tensor,
@@ -135,9 +147,10 @@ class ReferenceOps:
         k, v = req.contiguous()
         return ref.dense_attention(q, k, v, positions, scale)
 
-    def prune(self, params, req, q, positions, scale):
+    def prune(self, params, req, q, positions, scale, landmarks=None):
         k, _ = req.contiguous()
-        return ref.run_stages(params, q, k, positions, scale, reduce_scores=self.reduce_scores)
+        return ref.run_stages(params, q, k, positions, scale, reduce_scores=self.reduce_scores,
+                              landmarks=landmarks)  # fmt: skip
 
     def attend(self, params, req, q, positions, scale, prune, slice_end):
         """Block-sparse attention; also the exact number of (query, key) pairs attended."""
@@ -153,14 +166,19 @@ class ReferenceOps:
             out[p.q_lo : p.q_hi] = self.dense(req, q[p.q_lo : p.q_hi], positions, scale)
 
     def prune_blocks(self, params, blocks, q, kv_cache, block_table, scale, *, k_scale=None,
-                     v_scale=None, shared=None, split=None):  # fmt: skip
+                     v_scale=None, shared=None, split=None, landmarks=None):  # fmt: skip
         """Each part's cascade alone, stacked into the batch's final blocks (a part's padding
         blocks and extra entries invalid; stage inputs are not kept)."""
         fine = blocks.refine(params.block_size_q)
         results = []
         for p in blocks.parts:
             req, positions = _part_request(p, kv_cache, block_table, k_scale, v_scale, split)
-            results.append(self.prune(params, req, q[p.q_lo : p.q_hi], positions, scale))
+            scores = None
+            if landmarks is not None:
+                scores = ref.landmark_means_paged(landmarks, block_table[p.row], p.seq_len,
+                                              q.shape[1] // (landmarks.shape[2] - 1))  # fmt: skip
+            results.append(self.prune(params, req, q[p.q_lo : p.q_hi], positions, scale,
+                                      scores))  # fmt: skip
         width = max((r.block_starts.shape[1] for r in results), default=0)
         starts = torch.zeros(fine.num_blocks, width, dtype=torch.long, device=q.device)
         valid = torch.zeros(fine.num_blocks, width, dtype=torch.bool, device=q.device)
@@ -169,6 +187,13 @@ class ReferenceOps:
             starts[lo : lo + n, :w] = r.block_starts
             valid[lo : lo + n, :w] = r.block_valid
         return ref.PruneResult(starts, valid, [])
+
+    def add_landmarks(self, chunks, q, kv_cache, block_table, state, scale, window, *,
+                      k_scale=None, v_scale=None, split=None):  # fmt: skip
+        for p in chunks:
+            ref.landmark_accumulate_paged(q[p.q_lo : p.q_hi], kv_cache, block_table[p.row],
+                                          p.first_pos, state, scale, window=window,
+                                          k_scale=k_scale, v_scale=v_scale)  # fmt: skip
 
     def attend_blocks(self, params, blocks, q, kv_cache, block_table, scale, prune, out, *,
                       k_scale=None, v_scale=None, split=None):  # fmt: skip
@@ -242,13 +267,23 @@ class TritonOps:
             out.index_copy_(0, rows.token_index, o)
 
     def prune_blocks(self, params, blocks, q, kv_cache, block_table, scale, *, k_scale=None,
-                     v_scale=None, shared=None, split=None):  # fmt: skip
+                     v_scale=None, shared=None, split=None, landmarks=None):  # fmt: skip
         """The stages read K only: a split cache's K plane is a cache of one plane to them."""
         from vllm_infinitehip.kernels.triton_prune import run_stages_blocks
 
         return run_stages_blocks(params, q, blocks, kv_cache, block_table, scale,
                                  precision=self.precision, k_scale=k_scale, v_scale=v_scale,
-                                 reduce_scores=self.reduce_scores, shared=shared)  # fmt: skip
+                                 reduce_scores=self.reduce_scores, shared=shared,
+                                 landmarks=landmarks)  # fmt: skip
+
+    def add_landmarks(self, chunks, q, kv_cache, block_table, state, scale, window, *,
+                      k_scale=None, v_scale=None, split=None):  # fmt: skip
+        from vllm_infinitehip.kernels.triton_landmark import landmark_accumulate
+
+        for p in chunks:
+            landmark_accumulate(q[p.q_lo : p.q_hi], kv_cache, block_table[p.row], p.first_pos,
+                                state, scale, window=window, k_scale=k_scale,
+                                v_scale=v_scale)  # fmt: skip
 
     def attend_blocks(self, params, blocks, q, kv_cache, block_table, scale, prune, out, *,
                       k_scale=None, v_scale=None, split=None):  # fmt: skip

@@ -692,6 +692,64 @@ def landmark_table(
     return (starts + best).to(torch.int32)
 
 
+def check_landmark_state(state: torch.Tensor, kv_cache: torch.Tensor, hq: int) -> int:
+    """The state's landmark columns ``H`` (``H_q`` or ``H_kv``); raises on a bad shape."""
+    pages, page_size = kv_cache.shape[0], kv_cache.shape[2]
+    hkv = kv_cache.shape[3]
+    if (state.dim() != 3 or state.shape[:2] != (pages, page_size)
+            or state.shape[2] - 1 not in (hq, hkv) or state.dtype != torch.float32):  # fmt: skip
+        raise ValueError(
+            f"landmark state {tuple(state.shape)} {state.dtype} must be [{pages}, {page_size}, "
+            f"H + 1] float32 with H = {hq} (per query head) or {hkv} (per KV head)"
+        )
+    return state.shape[2] - 1
+
+
+def landmark_accumulate_paged(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table_row: torch.Tensor,
+    q_start: int,
+    state: torch.Tensor,
+    scale: float,
+    *,
+    window: int = LANDMARK_WINDOW,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+) -> None:
+    """:func:`landmark_sums` of a prefill chunk (``q [n, H_q, D]`` at positions ``q_start ..``,
+    its keys already in the cache) over the request's keys, added in place to the landmark
+    ``state`` ``[pages, page_size, H + 1]``: sums in columns ``:H``, counts in column ``H``
+    (``triton_landmark``)."""
+    n, hq, _ = q.shape
+    h = check_landmark_state(state, kv_cache, hq)
+    if n == 0:
+        return
+    end = q_start + n
+    page_size = kv_cache.shape[2]
+    blocks = block_table_row[: -(-end // page_size)].long()
+    k, _ = gather_paged_kv(kv_cache, blocks, end, k_scale=k_scale, v_scale=v_scale)
+    sums, counts = landmark_sums(q, k, scale, q_start, window, per_group=h != hq)
+    lo = max(0, q_start - window)
+    t = torch.arange(lo, end, device=kv_cache.device)
+    slots = blocks[t // page_size] * page_size + t % page_size
+    flat = state.view(-1, h + 1)
+    flat[slots, :h] += sums[lo:]
+    flat[slots, h] += counts[lo:].to(state.dtype)
+
+
+def landmark_means_paged(
+    state: torch.Tensor, block_table_row: torch.Tensor, seq_len: int, group: int
+) -> torch.Tensor:
+    """``[seq_len, H]``: a request's landmark scores from the state (``group``: query heads
+    summed per column), ``-inf`` where no query has followed a key yet."""
+    page_size = state.shape[1]
+    t = torch.arange(seq_len, device=state.device)
+    slots = block_table_row[t // page_size].long() * page_size + t % page_size
+    cells = state.view(-1, state.shape[2])[slots]
+    return landmark_means(cells[:, :-1], cells[:, -1], group)
+
+
 HEAD_REDUCTIONS = ("max", "log-softmax", "z-score")
 
 

@@ -105,19 +105,6 @@ def _landmark_kernel(
         tl.store(cell + N_COLUMNS * stride_sh, counted + count, mask=t_in)
 
 
-def check_state(state: torch.Tensor, kv_cache: torch.Tensor, hq: int) -> int:
-    """The state's landmark columns ``H`` (``H_q`` or ``H_kv``); raises on a bad shape."""
-    pages, page_size = kv_cache.shape[0], kv_cache.shape[2]
-    hkv = kv_cache.shape[3]
-    if (state.dim() != 3 or state.shape[:2] != (pages, page_size)
-            or state.shape[2] - 1 not in (hq, hkv) or state.dtype != torch.float32):  # fmt: skip
-        raise ValueError(
-            f"landmark state {tuple(state.shape)} {state.dtype} must be [{pages}, {page_size}, "
-            f"H + 1] float32 with H = {hq} (per query head) or {hkv} (per KV head)"
-        )
-    return state.shape[2] - 1
-
-
 def landmark_accumulate(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -132,9 +119,9 @@ def landmark_accumulate(
 ) -> None:
     """Add one request's prefill chunk (``q [n, H_q, D]`` at positions ``q_start ..``, its keys
     already in the cache) to the landmark ``state`` in place, as
-    :func:`landmark_accumulate_reference` does."""
+    :func:`reference.landmark_accumulate_paged` does."""
     n, hq, d = q.shape
-    h = check_state(state, kv_cache, hq)
+    h = ref.check_landmark_state(state, kv_cache, hq)
     if n == 0:
         return
     cache, k_sc, _, fp8 = kv_quant_args(kv_cache, k_scale, v_scale)
@@ -152,45 +139,45 @@ def landmark_accumulate(
     )  # fmt: skip
 
 
-def landmark_accumulate_reference(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table_row: torch.Tensor,
-    q_start: int,
+def landmark_tables(
     state: torch.Tensor,
-    scale: float,
-    *,
-    window: int = ref.LANDMARK_WINDOW,
-    k_scale: float | torch.Tensor | None = None,
-    v_scale: float | torch.Tensor | None = None,
-) -> None:
-    """:func:`reference.landmark_sums` of the chunk over the request's keys, added to the
-    state's slots (columns ``:H``) and counts (column ``H``)."""
-    n, hq, _ = q.shape
-    h = check_state(state, kv_cache, hq)
-    if n == 0:
-        return
-    end = q_start + n
-    page_size = kv_cache.shape[2]
-    blocks = block_table_row[: -(-end // page_size)].long()
-    k, _ = ref.gather_paged_kv(kv_cache, blocks, end, k_scale=k_scale, v_scale=v_scale)
-    sums, counts = ref.landmark_sums(q, k, scale, q_start, window,
-                                     per_group=h != hq)  # fmt: skip
-    lo = max(0, q_start - window)
-    t = torch.arange(lo, end, device=kv_cache.device)
-    slots = blocks[t // page_size] * page_size + t % page_size
-    flat = state.view(-1, h + 1)
-    flat[slots, :h] += sums[lo:]
-    flat[slots, h] += counts[lo:].to(state.dtype)
-
-
-def landmark_means_paged(
-    state: torch.Tensor, block_table_row: torch.Tensor, seq_len: int, group: int
-) -> torch.Tensor:
-    """``[seq_len, H]``: a request's landmark scores from the state (``group``: query heads
-    summed per column), ``-inf`` where no query has followed a key yet."""
-    page_size = state.shape[1]
-    t = torch.arange(seq_len, device=state.device)
-    slots = block_table_row[t // page_size].long() * page_size + t % page_size
-    cells = state.view(-1, state.shape[2])[slots]
-    return ref.landmark_means(cells[:, :-1], cells[:, -1], group)
+    block_table: torch.Tensor,
+    lengths: dict[int, int],
+    sink: int,
+    chunk_sizes: list[int],
+    group: int,
+) -> dict[int, torch.Tensor]:
+    """Per chunk size ``l``: ``[rows, n, H]`` int32, the landmark representative of every
+    aligned chunk ``[sink + j l, sink + (j + 1) l)`` of the requests at block-table rows
+    ``lengths`` (row -> its length: keys past it never stand for a chunk), what
+    :func:`reference.landmark_table` gives over each request's scores
+    (:func:`reference.landmark_means_paged`). Rows not listed hold zeros. One gather of the requests'
+    state cells for all sizes (``[R, T, H + 1]`` float32, T the longest request)."""
+    h = state.shape[2] - 1
+    page = state.shape[1]
+    device = state.device
+    rows = sorted(lengths)
+    longest = max(lengths.values(), default=0)
+    out = {}
+    if not rows or longest == 0:
+        return {size: torch.zeros(block_table.shape[0], 0, h, dtype=torch.int32, device=device)
+                for size in chunk_sizes}  # fmt: skip
+    t = torch.arange(longest, device=device)
+    row_ids = torch.tensor(rows, device=device)
+    slots = block_table[row_ids][:, t // page].long() * page + t % page  # [R, T]
+    cells = state.view(-1, h + 1)[slots]
+    means = ref.landmark_means(cells[..., :h].reshape(-1, h), cells[..., h].reshape(-1), group)
+    lens = torch.tensor([lengths[r] for r in rows], device=device)
+    means = means.view(len(rows), longest, h).masked_fill(
+        (t.view(1, -1) >= lens.view(-1, 1)).unsqueeze(-1), ref.NEG_INF)
+    for size in chunk_sizes:
+        n = max(0, -(-(longest - sink) // size))
+        padded = torch.full((len(rows), n * size, h), ref.NEG_INF, device=device)
+        m = max(0, min(longest - sink, n * size))
+        padded[:, :m] = means[:, sink : sink + m]
+        best = padded.view(len(rows), n, size, h).argmax(2)
+        starts = sink + size * torch.arange(n, device=device).view(1, -1, 1)
+        table = torch.zeros(block_table.shape[0], n, h, dtype=torch.int32, device=device)
+        table[row_ids] = (starts + best).to(torch.int32)
+        out[size] = table
+    return out

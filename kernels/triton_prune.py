@@ -30,6 +30,7 @@ from . import reference as ref
 from .query_blocks import QueryBlocks, pool_block_queries
 from .rope import RopeTable, rotate
 from .triton_bsa import kv_quant_args
+from .triton_landmark import landmark_tables
 from .triton_rope import (
     LO_BITS,
     check_layout,
@@ -191,11 +192,13 @@ def _select_rep_kernel(
     rope_lo_ptr,
     out_ptr,
     k_scale_ptr,
+    reps_ptr,
     n_q,
     n_chunks,
     head_dim,
     rope_bias,
     rope_n_hi,
+    rep_sink,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -214,6 +217,9 @@ def _select_rep_kernel(
     stride_ob,
     stride_oh,
     stride_oc,
+    stride_rr,
+    stride_rc,
+    stride_rh,
     GROUP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
@@ -233,6 +239,8 @@ def _select_rep_kernel(
     BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr,
     EXACT: tl.constexpr,
+    REPS: tl.constexpr,
+    HEADS_PER_REP: tl.constexpr,
 ):
     blk = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -276,7 +284,8 @@ def _select_rep_kernel(
 
     limit = tl.load(key_limit_ptr + blk).to(tl.int32)
     # the block's request: its row of the block table (one row for all when stride_btr is 0)
-    block_table_ptr += tl.load(block_rows_ptr + blk).to(tl.int64) * stride_btr
+    row = tl.load(block_rows_ptr + blk).to(tl.int64)
+    block_table_ptr += row * stride_btr
     start = tl.load(starts_ptr + blk * stride_sb + offs_c * stride_sc, mask=c_in, other=0)
     start = start.to(tl.int32)
     flag = tl.load(valid_ptr + blk * stride_vb + offs_c * stride_vc, mask=c_in, other=0)
@@ -313,6 +322,20 @@ def _select_rep_kernel(
                 PRECISION, ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
             )  # fmt: skip
             best = tl.where(key_live, tl.maximum(best, key_s), best)
+        n_iters = 0
+    elif REPS:
+        # One probe per chunk: its landmark representative, by the chunk's ordinal among the
+        # aligned chunks of this size (run_stages_blocks' tables), against the left queries.
+        ordinal = (start - rep_sink) // CHUNK_SIZE
+        rep = tl.load(reps_ptr + row * stride_rr + ordinal.to(tl.int64) * stride_rc
+                      + (head // HEADS_PER_REP) * stride_rh, mask=valid, other=0)  # fmt: skip
+        rep_s = _probe_scores(
+            k_head_ptr, block_table_ptr, rep, valid, qa_t, qb_t, qp_t, q_absent, offs_d, d_in,
+            head_dim, stride_kpage, stride_ktok, stride_kd, base - rep, turn, rope_hi_ptr,
+            rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM,
+            IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
+        )  # fmt: skip
+        best = tl.where(valid, rep_s, best)
         n_iters = 0
     for _ in range(n_iters):
         live = valid & (right - left > 1)
@@ -411,13 +434,19 @@ def select_rep_scores_paged(
     turn_blocks: torch.Tensor | None = None,
     head_reduction: str = "max",
     exact: bool = False,
+    reps: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """SelectRep chunk scores ``[n_blocks, C]`` float32, equal to ``reference.select_rep_scores``.
 
     ``head_reduction`` turns the per-head scores into the ranking as
     :func:`reference.reduce_heads` does; ``exact`` scores each chunk by its best key (every key
     loaded, against the left-branch queries) instead of bisecting, as the reference's
-    ``exact``.
+    ``exact``. ``reps = (table, sink)`` (not with ``exact``) scores each chunk by one key per
+    head instead, its landmark representative: ``table [rows, n, H]`` (a block's request row,
+    as ``block_rows``; ``H`` divides ``H_q``) holds it for every aligned chunk ``[sink + j *
+    chunk_size, ...)`` (:func:`reference.landmark_table`), and a chunk is looked up by its
+    ordinal, so candidate starts must be aligned so. This is the reference's ``landmarks`` for
+    every chunk that ends before its block's key limit.
 
     ``q_pooled`` is ``[n_blocks, H_q, n_q, D]``, already multiplied by the softmax scale; a row
     containing NaN is an absent query (as :func:`reference.pool_queries` produces) and takes no
@@ -532,6 +561,16 @@ def select_rep_scores_paged(
         rope_meta = dict(ROPE=False, ROT_DIM=0, IS_NEOX=True, BLOCK_F=16, BLOCK_P=0)
     if nb == 0 or c == 0:
         return per_head_out.new_empty(nb, c)
+    use_reps = reps is not None and not exact
+    if use_reps:
+        rep_table, rep_sink = reps
+        if rep_table.dim() != 3 or hq % rep_table.shape[2] or rep_table.dtype != torch.int32:
+            raise ValueError(f"reps table {tuple(rep_table.shape)} {rep_table.dtype} must be "
+                             f"[rows, chunks, H] int32 with H dividing H_q={hq}")  # fmt: skip
+        rep_strides = rep_table.stride()
+        heads_per_rep = hq // rep_table.shape[2]
+    else:  # placeholders; never read
+        rep_table, rep_sink, rep_strides, heads_per_rep = starts, 0, (0, 0, 0), 1
 
     block_chunk, num_warps, num_stages = _launch_config(d, rope=key_rotation is not None)
     # tl.dot needs every dimension >= 16; padding rows are masked as absent queries.
@@ -568,11 +607,13 @@ def select_rep_scores_paged(
         lo_t,
         per_head_out,
         k_sc,
+        rep_table,
         nq,
         c,
         d,
         bias,
         n_hi,
+        rep_sink,
         *q_pooled.stride(),
         kv_cache.stride(0),
         kv_cache.stride(2),
@@ -583,11 +624,14 @@ def select_rep_scores_paged(
         *valid.stride(),
         *base_t.stride(),
         *per_head_out.stride(),
+        *rep_strides,
         GROUP=hq // hkv,
         PAGE_SIZE=page_size,
         CHUNK_SIZE=chunk_size,
         N_ITERS=ref.bisect_steps(chunk_size),
         EXACT=exact,
+        REPS=use_reps,
+        HEADS_PER_REP=heads_per_rep,
         MIDPOINT=probe == "midpoint",
         FAST_DOT=precision == "fast",
         PRECISION={"ieee": "ieee", "tf32": "tf32"}.get(precision, "tf32x3"),
@@ -620,9 +664,11 @@ def run_stages_paged(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     reduce_scores: ref.ScoreReduce | None = None,
+    landmarks: torch.Tensor | None = None,
 ) -> ref.PruneResult:
     """The pruning cascade of :func:`reference.run_stages` for one request, scored by the Triton
-    kernel (:func:`run_stages_blocks` with the request's blocks).
+    kernel (:func:`run_stages_blocks` with the request's blocks; ``landmarks``: its landmark
+    state).
 
     ``q`` is ``[Nq, H_q, D]`` (unscaled) at consecutive positions ``q_positions``; keys are read
     from the paged cache through ``block_table_row``. ``seq_len`` (a host int) sizes the
@@ -646,7 +692,8 @@ def run_stages_paged(
                                 params.stages[start_stage].block_size_q, q.device)  # fmt: skip
     result = run_stages_blocks(params, q, blocks, kv_cache, block_table_row.view(1, -1), scale,
                                start_stage, start_input, precision=precision, k_scale=k_scale,
-                               v_scale=v_scale, reduce_scores=reduce_scores)  # fmt: skip
+                               v_scale=v_scale, reduce_scores=reduce_scores,
+                               landmarks=landmarks)  # fmt: skip
 
     def trim(t: torch.Tensor, block_size_q: int) -> torch.Tensor:
         return t[: -(-nq // block_size_q)]  # the request's blocks, not the coarse padding
@@ -750,9 +797,15 @@ def run_stages_blocks(
     v_scale: float | torch.Tensor | None = None,
     reduce_scores: ref.ScoreReduce | None = None,
     shared: dict | None = None,
+    landmarks: torch.Tensor | None = None,
 ) -> ref.PruneResult:
     """The cascade of :func:`reference.run_stages` for the query blocks of one or more requests
     (a step's prefill chunks) in one set of launches.
+
+    ``landmarks`` (the layer's landmark state, :mod:`triton_landmark`): every stage but an exact last one scores each chunk by its landmark representatives (one
+    probe per chunk and head) instead of bisecting, as :func:`reference.run_stages` with the
+    requests' landmark scores, for chunks that end before their block's key limit (every
+    candidate does when the first stage's chunks are at most half the window).
 
     ``blocks`` (:class:`query_blocks.QueryBlocks`, in blocks of the first stage's
     ``block_size_q`` or a multiple of it) index ``q`` ``[Nq, H_q, D]`` (unscaled) and the rows
@@ -846,6 +899,19 @@ def run_stages_blocks(
     # (block size, stride) -> pooled queries: stages often share them
     pooled: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
     n_stages = len(params.stages)
+    rep_tables: dict[int, torch.Tensor] = {}
+    if landmarks is not None:
+        # each request's length; without the parts every row up to the longest (chunks past a
+        # row's own length are invalid candidates of its blocks)
+        lengths = dict.fromkeys(range(block_table.shape[0]), blocks.max_seq_len)
+        if blocks.parts:
+            lengths = {}
+            for part in blocks.parts:
+                lengths[part.row] = max(lengths.get(part.row, 0), part.seq_len)
+        sizes = [st.chunk_size for j, st in enumerate(params.stages)
+                 if j >= start_stage and not (params.exact_last_stage and j == n_stages - 1)]
+        rep_tables = landmark_tables(landmarks, block_table, lengths, params.sink_tokens, sizes,
+                                     hq // (landmarks.shape[2] - 1))  # fmt: skip
     for i in range(start_stage, n_stages):
         st = params.stages[i]
         stage_inputs.append(cand)
@@ -881,7 +947,9 @@ def run_stages_blocks(
         common = dict(chunk_size=st.chunk_size, probe=params.probe, precision=precision,
                       q_pooled_right=q_right, block_rows=stage_blocks.row,
                       head_reduction=params.head_reduction,
-                      exact=params.exact_last_stage and i == n_stages - 1)  # fmt: skip
+                      exact=params.exact_last_stage and i == n_stages - 1,
+                      reps=(rep_tables[st.chunk_size], params.sink_tokens)
+                      if st.chunk_size in rep_tables else None)  # fmt: skip
         if turned_keys is None or (style == "chunk-indexed" and i > 0):
             scores = select_rep_scores_paged(
                 q_left, kv_cache, block_table, scored.starts, scored.valid, key_limit,

@@ -20,7 +20,7 @@ fi
 # (vLLM engines, servers, Ray). Each module sets TRITON_INTERPRET before Triton's first
 # import, which a process that has imported vLLM has already done; apart, neither waits.
 INTERPRETED=(tests/test_bank.py tests/test_triton_bsa.py tests/test_triton_decode.py
-             tests/test_triton_prune.py tests/test_triton_slots.py)
+             tests/test_triton_landmark.py tests/test_triton_prune.py tests/test_triton_slots.py)
 log=$(mktemp)
 "${PYTEST[@]}" "${INTERPRETED[@]}" > "$log" 2>&1 &
 kernels_pid=$!

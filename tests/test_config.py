@@ -119,6 +119,10 @@ def test_selection_rules_parse_and_reach_the_layers():
         ({"drop_window_candidates": 0}, "infinitehip.drop_window_candidates"),
         ({"extend_reused_blocks": "on"}, "infinitehip.extend_reused_blocks"),
         ({"remap_pruning": "never"}, "infinitehip.remap_pruning"),
+        ({"prefill_representatives": "mean"}, "infinitehip.prefill_representatives"),
+        ({"prefill_representatives": "landmark", "window_tokens": 512},
+         "infinitehip.stages[0].chunk_size"),
+        ({"prefill_representatives": "landmark", "offload": True}, "infinitehip.offload"),
         ("{not json", "not valid JSON"),
     ],
 )
@@ -230,3 +234,13 @@ def test_offload_is_off_by_default_and_parses_short_and_long_forms():
 def test_bad_offload_config_names_the_field(offload, field):
     with pytest.raises(InfiniteHiPConfigError, match=rf"`{field}`"):
         InfiniteHiPConfig.from_user({"offload": offload})
+
+
+def test_the_landmark_window_keeps_every_follower_before_the_block_that_scores():
+    """512 queries (the authors') with the defaults; shorter where the window leaves less room
+    between a first-stage chunk and the window."""
+    assert InfiniteHiPConfig.from_user({}).landmark_window == 512
+    small = {"window_tokens": 256, "stages": [
+        {"chunk_size": 64, "keep_tokens": 1024}, {"chunk_size": 16, "keep_tokens": 512},
+        {"chunk_size": 8, "keep_tokens": 256}], "prefill_representatives": "landmark"}
+    assert InfiniteHiPConfig.from_user(small).landmark_window == 256 - 2 * 64

@@ -81,6 +81,10 @@ def test_selection_rule_engines_set_every_rule_and_the_block_extension():
     assert hip("3k+rules")["extend_reused_blocks"] is False
     rules = hip("3k+rules+extend")
     assert (rules["head_reduction"], rules["extend_reused_blocks"]) == ("z-score", True)
+    assert hip("3k-fast+landmark")["prefill_representatives"] == "landmark"
+    from vllm_infinitehip.config import InfiniteHiPConfig
+
+    InfiniteHiPConfig.from_user(hip("3k-fast+landmark"))  # a valid config
 
 
 def _speed(engine, backend, tp_size, tok_s, batch=1, context=131072):

@@ -85,12 +85,12 @@ def test_chunks_added_by_the_kernel_equal_the_reference_and_one_call(per_group, 
     scales = dict(k_scale=1.0, v_scale=1.0) if fp8 else {}
     for lo, hi in ((0, 40), (40, 41), (41, 150)):
         tlm.landmark_accumulate(q[lo:hi], cache, table, lo, state, 0.3, window=window, **scales)
-        tlm.landmark_accumulate_reference(q[lo:hi], cache, table, lo, want, 0.3, window=window,
-                                          **scales)  # fmt: skip
+        ref.landmark_accumulate_paged(q[lo:hi], cache, table, lo, want, 0.3, window=window,
+                                       **scales)  # fmt: skip
     torch.testing.assert_close(state, want, rtol=1e-5, atol=1e-4)
     # the request's scores read back are the one-call scores of the whole prompt
     group = hq // h
-    means = tlm.landmark_means_paged(state, table, t, group)
+    means = ref.landmark_means_paged(state, table, t, group)
     kf = ref.gather_paged_kv(cache, table.long(), t, **scales)[0]
     torch.testing.assert_close(
         means, ref.landmark_scores(q, kf, 0.3, window=window, per_group=per_group),

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from vllm_infinitehip.kernels import reference as ref
+from vllm_infinitehip.kernels import triton_landmark as tlm
 from vllm_infinitehip.kernels import triton_prune as tp
 from vllm_infinitehip.kernels import triton_rope as tr
 from vllm_infinitehip.kernels.rope import RopeTable, rope_cos_sin, rotate
@@ -265,6 +266,34 @@ def test_run_stages_paged_equals_reference(nq, probe, page):
 
     # Decode refresh: resume at stage 1 from the reference's cached stage input.
     assert_same_resume(params, q, k, cache, block_table, pos, scale, want)
+
+
+@pytest.mark.parametrize("per_group", [False, True])
+@pytest.mark.parametrize("pruning", [None, "relative", "chunk-indexed"])
+def test_run_stages_paged_with_landmarks_equals_reference(per_group, pruning):
+    """Landmark representatives from a prompt's state (every query of it added) select what the
+    reference selects with the prompt's landmark scores, per query head or per KV head, at
+    true positions and with each RoPE style; and not what bisection selects."""
+    t, nq, scale = 700, 40, 0.18
+    k, q, pos, rope, cache, block_table = rotated_case(23, pruning, t=t, nq=nq)
+    gen = torch.Generator().manual_seed(5)
+    q_all = torch.cat([torch.randn(t - nq, *q.shape[1:], generator=gen), q])
+    h = k.shape[1] if per_group else q.shape[1]
+    state = torch.zeros(cache.shape[0], cache.shape[2], h + 1, device=DEVICE)
+    ref.landmark_accumulate_paged(q_all.to(DEVICE), cache, block_table, 0, state, scale,
+                                  window=32)  # fmt: skip
+    landmarks = ref.landmark_scores(q_all, k, scale, window=32, per_group=per_group)
+    params = ref.PruneParams(16, 64, small_params("midpoint").stages, "midpoint", rope,
+                             exact_last_stage=True)  # fmt: skip
+
+    want = ref.run_stages(params, q, k, pos, scale, landmarks=landmarks)
+    assert bool(want.block_valid.any())
+    got = tp.run_stages_paged(params, q.to(DEVICE), cache, block_table, pos.to(DEVICE), scale,
+                              seq_len=t, landmarks=state)  # fmt: skip
+    assert_same_selection(got, want)
+    bisection = ref.run_stages(params, q, k, pos, scale)
+    assert not torch.equal(bisection.block_starts[bisection.block_valid],
+                           want.block_starts[want.block_valid])  # fmt: skip
 
 
 def rotated_case(seed: int, pruning: str | None, t: int = 700, nq: int = 40):

@@ -128,6 +128,29 @@ def test_a_coarse_first_stage_runs_sparse_and_a_batch_equals_each_prompt_alone(
     assert counts["sparse_decode_queries"] == 2 * 3 * 7 * 2
 
 
+def test_landmark_representatives_run_sparse_and_a_batch_equals_each_prompt_alone(
+    tiny_model, tmp_path
+):
+    """``prefill_representatives: "landmark"``: every prefill chunk adds its queries to the
+    layers' landmark scores (3K-token prompts in 2K-token chunks, so a chunk adds to the last
+    keys of the one before), and the stages score each chunk by its representatives. A batch
+    gives what each prompt gives alone; the alone runs take the batch's freed blocks, whose
+    scores must start anew (prefix caching off, so no prompt reuses another's blocks). The
+    tail window is off: it widens the last block of every chunk, so where a batch cuts a
+    prompt elsewhere than alone, that block's selection differs whatever the representatives."""
+    hip = {**SMALL_HIP, "prefill_representatives": "landmark", "prefill_tail_window": None}
+    prompts = [long_prompt(1500, "rho"), long_prompt(2300, "sigma"), long_prompt(1900, "tau")]
+    engine = {**ENGINE_KW, "enable_prefix_caching": False,
+              "additional_config": {"infinitehip": hip}}  # fmt: skip
+    spec = {"engine": engine, "prompts": prompts, "max_tokens": 8, "report": True,
+            "batch_then_alone": True}  # fmt: skip
+    out = generate_in_subprocess(tiny_model, "infinitehip", spec, tmp_path, "landmark")
+    together, alone = out["tokens"][:3], out["tokens"][3:]
+    assert together == alone and len(alone) == 3
+    counts = out["report"]["stats"]
+    assert counts["sparse_prefill_queries"] > 0 and counts["sparse_decode_queries"] > 0
+
+
 def test_requests_at_mixed_refresh_levels_equal_each_alone(hip_llm):
     """Requests added steps apart decode side by side at different refresh levels; rows join
     the stages of their own level only."""

@@ -23,6 +23,7 @@ PyTorch reference (CPU) and the GPU kernels read the same cache.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -266,6 +267,17 @@ class StepPlan:
     layer_order: dict[str, int] = field(default_factory=dict)
     # the host tier's split layout (offload.layout "split"): this group's KV, by layer index
     split: SplitKV | None = None
+    # landmark scores (prefill_representatives "landmark"): per layer (its place in the group)
+    # a row per KV slot, plus one that padding slots (-1) write, of H_kv sums and a count
+    landmarks: torch.Tensor | None = None
+
+    def landmark_state(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s landmark state as the kernels take it, ``[pages, page, H + 1]``."""
+        assert self.landmarks is not None
+        state = self.landmarks[layer, :-1]
+        return state.view(-1, self.landmark_page, state.shape[-1])
+
+    landmark_page: int = 0
 
 
 @dataclass(frozen=True)
@@ -295,6 +307,9 @@ class PrefillPlan:
 
     batches: tuple[PrefillBatch, ...]
     context_pairs: int
+    # every chunk of the step whole, at its block-table row (with landmark scores: each adds
+    # its queries to them before any is pruned)
+    chunks: tuple[RequestPart, ...] = ()
 
 
 @dataclass
@@ -382,6 +397,12 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         )  # fmt: skip
         if self.config.offload.enabled:
             self._setup_tier(vllm_config, kv_cache_spec, layer_names, any_params, device)
+        if self.config.prefill_representatives == "landmark":
+            self.plan.landmarks = _landmark_state(
+                len(layer_names), vllm_config.cache_config.num_gpu_blocks * self.block_size,
+                kv_cache_spec.num_kv_heads, device,
+            )  # fmt: skip
+            self.plan.landmark_page = self.block_size
         i32 = dict(dtype=torch.int32, device=device)
         # persistent per-row buffers: what a captured graph reads is rewritten each step
         self._row_slots = torch.full((max_rows,), -1, **i32)
@@ -590,7 +611,12 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
                 parts.extend(chunk)
         batches = [self._prefill_batch(dense, parts, None)] if dense or parts else []
         batches += [self._prefill_batch(d, p, key) for key, d, p in staged]
-        return PrefillPlan(tuple(batches), context)
+        chunks = ()
+        if self.plan.landmarks is not None:
+            chunks = tuple(RequestPart(i, qsl[i], qsl[i + 1], seq_lens[i] - qsl[i + 1] + qsl[i],
+                                       seq_lens[i])
+                           for i in range(first, len(seq_lens)) if qsl[i + 1] > qsl[i])  # fmt: skip
+        return PrefillPlan(tuple(batches), context, chunks)
 
     def _prefill_batch(
         self, dense: list[RequestPart], parts: list[tuple[str, RequestPart]],
@@ -603,6 +629,24 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         calls = tuple(SparseCall(kind, QueryBlocks.plan(ps, bq_first, self.device))
                       for kind, ps in by_kind.items() if ps)  # fmt: skip
         return PrefillBatch(DenseRows.plan(dense, self.device) if dense else None, calls, staged)
+
+
+def _landmark_state(num_layers: int, num_slots: int, num_kv_heads: int,
+                    device: torch.device) -> torch.Tensor:
+    """Landmark scores of every layer of a group, zeroed: ``[layers, slots + 1, H_kv + 1]``
+    float32 (the last row takes padding slots' writes). They live beside the KV cache, about
+    1% of a 16-bit cache's bytes; on a GPU the memory left past vLLM's budget must hold them."""
+    shape = (num_layers, num_slots + 1, num_kv_heads + 1)
+    need = 4 * math.prod(shape)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if free < need + (256 << 20):
+            raise RuntimeError(
+                f"InfiniteHiP: prefill_representatives \"landmark\" keeps {need / 2**30:.2f} GiB "
+                f"of scores beside the KV cache and {free / 2**30:.2f} GiB are free: lower "
+                "gpu_memory_utilization (or kv_cache_memory_bytes) by that much"
+            )
+    return torch.zeros(shape, dtype=torch.float32, device=device)
 
 
 class InfiniteHiPBackend(AttentionBackend):
@@ -858,6 +902,10 @@ class InfiniteHiPImpl(AttentionImpl):
                                    k_scale=layer._k_scale, v_scale=layer._v_scale)  # fmt: skip
             return
         self._write_kv(layer, key, value, kv_cache, slot_mapping)
+        if plan is not None and plan.landmarks is not None:
+            # a written slot's scores start anew (a block vLLM hands out again held another
+            # request's); a prefill adds its queries after, decode keys keep none
+            plan.landmarks[plan.layer_order[layer.layer_name]].index_fill_(0, slot_mapping, 0.0)
         if plan is not None and plan.bank is not None:
             plan.bank.layer_work(
                 plan.bank_layers[layer.layer_name], kv_cache, slot_mapping.shape[0],
@@ -949,6 +997,11 @@ class InfiniteHiPImpl(AttentionImpl):
         and one attention launch per kind of part. Each chunk's last query block uses the tail
         window, and its final query (the next token's) may be pruned alone
         (``prefill_final_query_own_mask``)."""
+        landmarks = None
+        if self.plan.landmarks is not None:
+            landmarks = self.plan.landmark_state(self.plan.layer_order[self._layer_name])
+            ops.add_landmarks(plan.chunks, q, kv_cache, block_table, landmarks, self.scale,
+                              self.config.landmark_window, **kv_args)  # fmt: skip
         for batch in plan.batches:
             cache, table, scales = kv_cache, block_table, kv_args
             if batch.staged is not None:
@@ -973,7 +1026,8 @@ class InfiniteHiPImpl(AttentionImpl):
                 params = self._params if call.kind == "body" else (
                     self._tail_params or self._params)  # fmt: skip
                 prune = ops.prune_blocks(params, call.blocks, q, cache, table, self.scale,
-                                         shared=shared, **scales)  # fmt: skip
+                                         shared=shared, landmarks=landmarks,
+                                         **scales)  # fmt: skip
                 self.pairs[0] += ops.attend_blocks(params, call.blocks, q, cache, table,
                                                    self.scale, prune, out, **scales)  # fmt: skip
                 if self.recall_log is not None:

@@ -61,6 +61,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 PROBE_RULES = ("midpoint", "first")
 HEAD_REDUCTIONS = ("max", "z-score")
 REMAP_PRUNING = ("past-trained", "always")
+PREFILL_REPRESENTATIVES = ("bisection", "landmark")
+LANDMARK_WINDOW = 512  # the authors' (kernels.reference.LANDMARK_WINDOW)
 ROPE_PRUNING_STYLES = ("paper", "relative", "chunk-indexed", "none")
 ROPE_BSA_STYLES = ("streaming", "none")
 SCORING_PRECISIONS = ("tf32", "fp32")
@@ -179,6 +181,15 @@ class InfiniteHiPConfig:
       vLLM's FlashAttention over the paged cache against the sparse kernels), on the CPU
       ``CPU_DENSE_PREFILL_CROSSOVER`` (16K, SDPA against the PyTorch reference); on a GPU
       without FlashAttention, and at least, ``dense_threshold``. ``null``: ``dense_threshold``.
+    - ``prefill_representatives``: which key of a candidate chunk the prefill's pruning stages
+      score it by (an exact last stage scores every key either way). ``"bisection"``
+      (default): SelectRep's bisection per query block and head, two probes per step.
+      ``"landmark"``: the chunk's key that the text right after it reads most, its landmark
+      score (the mean scaled logit of the ``landmark_window`` queries that follow a key, over
+      the query heads of its KV head), kept per KV slot as each prefill chunk is written: one
+      probe per chunk and KV head. It keeps sharp keys that bisection steps past. The scores
+      take ``(H_kv + 1)`` float32 per token and layer beside the KV cache (about 1% of a
+      16-bit cache). Decode keeps bisection.
     - ``scoring_precision``: how the GPU prefill's pruning stages multiply q.k: ``"tf32"`` (one
       tensor-core pass, default) or ``"fp32"`` (three passes, fp32-accurate). Decode scoring is
       always exact fp32 (one query per row).
@@ -210,6 +221,7 @@ class InfiniteHiPConfig:
     rope_pruning: str = "paper"
     rope_bsa: str = "streaming"
     remap_pruning: str = "always"
+    prefill_representatives: str = "bisection"
     trained_context: int | None = None
     scoring_precision: str = "tf32"
     prefill_dense_threshold: int | str | None = "auto"
@@ -223,6 +235,15 @@ class InfiniteHiPConfig:
     @property
     def block_size_k(self) -> int:
         return self.stages[-1].chunk_size
+
+    @property
+    def landmark_window(self) -> int:
+        """How many following queries a key's landmark score averages: at most 512 (the
+        authors'), and at most ``window_tokens - 2 * stages[0].chunk_size``. A candidate chunk
+        ends that far before its query block's window, so every follower of its keys precedes
+        the block and has been added when the block is scored: a prompt selects the same
+        blocks however vLLM chunks it, batched or alone."""
+        return min(LANDMARK_WINDOW, self.window_tokens - 2 * self.stages[0].chunk_size)
 
     @property
     def effective_dense_threshold(self) -> int:
@@ -393,6 +414,7 @@ class InfiniteHiPConfig:
             ("tp_mask", TP_MASK_MODES),
             ("head_reduction", HEAD_REDUCTIONS),
             ("remap_pruning", REMAP_PRUNING),
+            ("prefill_representatives", PREFILL_REPRESENTATIVES),
         ):
             if name in values:
                 if values[name] not in allowed:
@@ -528,6 +550,18 @@ class InfiniteHiPConfig:
             raise InfiniteHiPConfigError(
                 f"`infinitehip.window_tokens`={self.window_tokens} must be at least "
                 f"`infinitehip.stages[0].chunk_size`={first}"
+            )
+        if self.prefill_representatives == "landmark" and self.landmark_window < 1:
+            raise InfiniteHiPConfigError(
+                f"`infinitehip.prefill_representatives`=\"landmark\" needs "
+                f"`infinitehip.stages[0].chunk_size`={first} to be less than half of "
+                f"`infinitehip.window_tokens`={self.window_tokens}: a key's landmark score "
+                "averages the queries between its chunk and the window"
+            )
+        if self.prefill_representatives == "landmark" and self.offload.enabled:
+            raise InfiniteHiPConfigError(
+                "`infinitehip.prefill_representatives`=\"landmark\" does not combine with "
+                "`infinitehip.offload` yet: its scores are kept beside a KV cache on one device"
             )
         if self.dense_layer_keep_tokens % self.block_size_k:
             raise InfiniteHiPConfigError(
