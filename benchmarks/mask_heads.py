@@ -23,6 +23,7 @@ layers per prompt.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -64,6 +65,37 @@ def capture_qk(model, ids: torch.Tensor,
     return out
 
 
+@dataclasses.dataclass
+class LoadedModel:
+    tok: object
+    chat: bool
+    model: object
+    cfg: object  # the InfiniteHiPConfig of the settings
+    config: str  # the settings as a row's "config" (sorted JSON)
+    table: object  # the RoPE table as vLLM builds it
+    scale: float
+
+
+def load_model(name: str, infinitehip: str) -> LoadedModel:
+    """A real model in fp32 on the CPU (HF transformers, SDPA), its tokenizer and prompting, and
+    the settings its Q/K are pruned with."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm_infinitehip.config import InfiniteHiPConfig
+    from vllm_infinitehip.kernels.rope import RopeTable
+
+    path = common.resolve_model(name)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    attn = model.model.layers[0].self_attn
+    # the frequencies as vLLM builds them (the backend's table; it refuses rotary types that are
+    # not a pure rotation), and the model's own softmax scale
+    return LoadedModel(tok, common.prefers_chat(name, tok), model,
+                       InfiniteHiPConfig.from_user(json.loads(infinitehip)),
+                       json.dumps(json.loads(infinitehip), sort_keys=True),
+                       RopeTable.from_vllm(attn.head_dim, model.config), attn.scaling)
+
+
 def select(params, q, k, position, scale):
     from vllm_infinitehip.kernels import reference as ref
 
@@ -84,26 +116,14 @@ def main() -> int:
     parser.add_argument("--out", default=str(common.RESULTS))
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm_infinitehip.kernels import reference as ref
-    from vllm_infinitehip.kernels.rope import RopeTable
 
     from vllm_infinitehip.backend import layer_prune_params
-    from vllm_infinitehip.config import InfiniteHiPConfig
     from vllm_infinitehip.passkey import make_passkey_prompt
 
-    path = common.resolve_model(args.model)
-    tok = AutoTokenizer.from_pretrained(path)
-    chat = common.prefers_chat(args.model, tok)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
-    cfg = InfiniteHiPConfig.from_user(json.loads(args.infinitehip))
-    config = json.dumps(json.loads(args.infinitehip), sort_keys=True)
-    attn = model.model.layers[0].self_attn
-    # the frequencies as vLLM builds them (the backend's table; it refuses rotary types that are
-    # not a pure rotation), and the model's own softmax scale
-    table = RopeTable.from_vllm(attn.head_dim, model.config)
-    scale = attn.scaling
+    m = load_model(args.model, args.infinitehip)
+    tok, chat, model, cfg, config, table, scale = (m.tok, m.chat, m.model, m.cfg, m.config,
+                                                   m.table, m.scale)  # fmt: skip
     rows = []
     date = datetime.date.today().isoformat()
     out = Path(args.out) / "mask-heads-cpu.json"

@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402  (--model and how it is prompted)
-import mask_heads  # noqa: E402  (capture_qk)
+import mask_heads  # noqa: E402  (capture_qk, load_model)
 
 SETTINGS = ("bisection", "landmark", "landmark-group", "landmark-64-16-4")
 
@@ -73,24 +73,13 @@ def main() -> int:
                     help="keep the rows of other configs already in the file")
     args = ap.parse_args()
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from vllm_infinitehip.backend import layer_prune_params
-    from vllm_infinitehip.config import InfiniteHiPConfig
     from vllm_infinitehip.kernels import reference as ref
-    from vllm_infinitehip.kernels.rope import RopeTable
     from vllm_infinitehip.passkey import make_passkey_prompt
 
-    path = common.resolve_model(args.model)
-    tok = AutoTokenizer.from_pretrained(path)
-    chat = common.prefers_chat(args.model, tok)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
-    cfg = InfiniteHiPConfig.from_user(json.loads(args.infinitehip))
-    config = json.dumps(json.loads(args.infinitehip), sort_keys=True)
-    attn = model.model.layers[0].self_attn
-    table = RopeTable.from_vllm(attn.head_dim, model.config)
-    scale = attn.scaling
+    m = mask_heads.load_model(args.model, args.infinitehip)
+    tok, chat, model, cfg, config, table, scale = (m.tok, m.chat, m.model, m.cfg, m.config,
+                                                   m.table, m.scale)  # fmt: skip
     trained = cfg.trained_context or model.config.max_position_embeddings
     # the prompts run past the trained length: the model's own rotary embedding must reach them
     model.config.max_position_embeddings = max(args.lengths) + 256

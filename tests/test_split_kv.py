@@ -72,3 +72,21 @@ def test_random_traffic_reads_back_what_the_whole_cache_holds(seed):
             want_k, want_v = ref.gather_paged_kv(whole[layer], blocks, n * PAGE)
             assert torch.equal(k, want_k) and torch.equal(v, want_v), (step, layer)
     assert kv.spilled_blocks > 30
+
+
+def test_the_split_layout_stages_only_dense_prefill_chunks():
+    """On a GPU the host layout reads every prefill chunk that re-reads its context from a GPU
+    copy of the request's pages; the split layout only the dense ones (FlashAttention reads
+    whole pages): the sparse kernels read K and each V where they are, so a long prompt is not
+    copied whole at every chunk and layer."""
+    from types import SimpleNamespace
+
+    from vllm_infinitehip.backend import stages_chunk
+
+    host = SimpleNamespace(staging=object(), split=None)
+    split = SimpleNamespace(staging=object(), split=object())
+    assert stages_chunk(host, 2048, 64, dense=False) and stages_chunk(host, 2048, 64, dense=True)
+    assert stages_chunk(split, 2048, 64, dense=True)
+    assert not stages_chunk(split, 2048, 64, dense=False)
+    assert not stages_chunk(host, 64, 64, dense=True)  # one query block: read in place
+    assert not stages_chunk(SimpleNamespace(staging=None, split=None), 2048, 64, dense=True)

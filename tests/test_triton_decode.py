@@ -26,46 +26,22 @@ from vllm_infinitehip.kernels import triton_bsa
 from vllm_infinitehip.kernels import triton_decode as td
 from vllm_infinitehip.kernels.rope import RopeTable
 
+from tests.helpers import interpret
+
 HAS_CUDA = torch.cuda.is_available()
-_SAVED_INTERPRET = os.environ.pop("_TRITON_INTERPRET_BEFORE", None)
-
-
-def _restore_interpret() -> None:
-    if _SAVED_INTERPRET is None:
-        return
-    if _SAVED_INTERPRET == "<unset>":
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
-
-
-_restore_interpret()
+_SAVED_INTERPRET = interpret.take_saved()
 
 INTERPRETED = isinstance(td._top_chunks_kernel, InterpretedFunction) and isinstance(
     tl.max, InterpretedFunction
 )
 DEVICE = "cpu" if INTERPRETED else "cuda"
 
-pytestmark = [
-    pytest.mark.skipif(
-        not INTERPRETED and not HAS_CUDA,
-        reason="no GPU, and triton was imported before this module could set "
-        "TRITON_INTERPRET=1, so the CPU interpreter cannot run: run this file alone",
-    ),
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
-]
+pytestmark = interpret.module_marks(INTERPRETED, HAS_CUDA)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter_env():
-    if not INTERPRETED:
-        yield
-        return
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        _restore_interpret()
+    yield from interpret.scoped_env(INTERPRETED, _SAVED_INTERPRET)
 
 
 def rope_plan(style: str | None, d: int, layout: str = "neox") -> ref.RopePlan | None:

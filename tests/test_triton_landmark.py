@@ -2,7 +2,7 @@
 one-call sums of kernels/reference.py.
 
 Without a GPU the kernel runs in Triton's CPU interpreter (``TRITON_INTERPRET=1`` set while this
-module imports and its tests run, then restored, as in test_triton_prune.py); with one, compiled.
+module imports and its tests run, then restored: tests/helpers/interpret.py); with one, compiled.
 """
 
 from __future__ import annotations
@@ -20,33 +20,17 @@ from triton.runtime.interpreter import InterpretedFunction
 from vllm_infinitehip.kernels import reference as ref
 from vllm_infinitehip.kernels import triton_landmark as tlm
 
-_SAVED_INTERPRET = os.environ.pop("_TRITON_INTERPRET_BEFORE", None)
+from tests.helpers import interpret
+
+_SAVED_INTERPRET = interpret.take_saved()
 INTERPRETED = isinstance(tlm._landmark_kernel, InterpretedFunction)
 DEVICE = "cpu" if INTERPRETED else "cuda"
-
-pytestmark = [
-    pytest.mark.skipif(
-        not INTERPRETED and not torch.cuda.is_available(),
-        reason="no GPU, and triton was imported before this module could set "
-        "TRITON_INTERPRET=1, so the CPU interpreter cannot run: run this file alone",
-    ),
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
-]
+pytestmark = interpret.module_marks(INTERPRETED, torch.cuda.is_available())
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter_env():
-    if not INTERPRETED:
-        yield
-        return
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if _SAVED_INTERPRET == "<unset>":
-            os.environ.pop("TRITON_INTERPRET", None)
-        elif _SAVED_INTERPRET is not None:
-            os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
+    yield from interpret.scoped_env(INTERPRETED, _SAVED_INTERPRET)
 
 
 PAGE = 16

@@ -3,10 +3,8 @@
 Without a GPU the kernels run in Triton's CPU interpreter; with one, the same small cases run
 compiled on it, and one more case runs at realistic shapes.
 
-``TRITON_INTERPRET=1`` must be set before triton is first imported: the interpreter needs
-triton's own library functions, and the kernels, decorated in interpreter mode. It is set only
-while this module imports and while its tests run, then restored: the whole suite shares one
-process, and vLLM's kernels decorated later, or a server subprocess, must not inherit it.
+``TRITON_INTERPRET=1`` is set only while this module imports and while its tests run
+(tests/helpers/interpret.py says why).
 
 Ties: SelectRep descends by comparing two probe scores, so scores that tie (or differ by less
 than fp32 rounding, since the kernel sums the products in another order than torch) could send
@@ -37,48 +35,23 @@ from vllm_infinitehip.kernels import triton_prune as tp
 from vllm_infinitehip.kernels import triton_rope as tr
 from vllm_infinitehip.kernels.rope import RopeTable, rope_cos_sin, rotate
 
+from tests.helpers import interpret
+
 HAS_CUDA = torch.cuda.is_available()
-_SAVED_INTERPRET = os.environ.pop("_TRITON_INTERPRET_BEFORE", None)
-
-
-def _restore_interpret() -> None:
-    if _SAVED_INTERPRET is None:  # a GPU: nothing was changed
-        return
-    if _SAVED_INTERPRET == "<unset>":
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
-
-
-_restore_interpret()
+_SAVED_INTERPRET = interpret.take_saved()
 
 INTERPRETED = isinstance(tp._select_rep_kernel, InterpretedFunction) and isinstance(
     tl.max, InterpretedFunction
 )
 DEVICE = "cpu" if INTERPRETED else "cuda"
 
-pytestmark = [
-    pytest.mark.skipif(
-        not INTERPRETED and not HAS_CUDA,
-        reason="no GPU, and triton (or kernels.triton_prune) was imported before this module "
-        "could set TRITON_INTERPRET=1, so the CPU interpreter cannot run: run this file alone",
-    ),
-    # The interpreter's own loop-bound conversion warns under NumPy >= 1.25.
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
-]
+pytestmark = interpret.module_marks(INTERPRETED, HAS_CUDA)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter_env():
     """Interpreted launches read TRITON_INTERPRET too; scope it to this module's tests."""
-    if not INTERPRETED:
-        yield
-        return
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        _restore_interpret()
+    yield from interpret.scoped_env(INTERPRETED, _SAVED_INTERPRET)
 
 
 # --------------------------------------------------------------------------- fixtures

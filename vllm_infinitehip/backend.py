@@ -582,12 +582,10 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             n = hi - lo
             if n == 0:
                 continue
-            # the host tier stages a chunk's pages when its queries re-read the context (dense
-            # tiles, or query blocks): from a GPU copy, not over the bus. Its parts then read
-            # the staged table's row 0.
-            stage = self.plan.staging is not None and n > bq
+            dense_chunk = seq_len <= self.plan.prefill_threshold
+            stage = stages_chunk(self.plan, n, bq, dense_chunk)
             row = 0 if stage else i
-            if seq_len <= self.plan.prefill_threshold:
+            if dense_chunk:
                 counters.dense_queries += n
                 part = RequestPart(row, lo, hi, seq_len - n, seq_len)
                 if stage:
@@ -629,6 +627,18 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         calls = tuple(SparseCall(kind, QueryBlocks.plan(ps, bq_first, self.device))
                       for kind, ps in by_kind.items() if ps)  # fmt: skip
         return PrefillBatch(DenseRows.plan(dense, self.device) if dense else None, calls, staged)
+
+
+def stages_chunk(plan: StepPlan, num_queries: int, block_size_q: int, dense: bool) -> bool:
+    """Whether a prefill chunk reads a GPU copy of its request's pages (``plan.staging``, the
+    host tier on a GPU) instead of the cache: when its queries re-read the context (dense
+    tiles, or more than one query block) and the cache is not where it can read it. The host
+    layout keeps the whole cache on the host; the split layout keeps K in HBM and the sparse
+    kernels read each V where it lives, so only a dense chunk (FlashAttention reads whole
+    pages) is staged there."""
+    if plan.staging is None or num_queries <= block_size_q:
+        return False
+    return plan.split is None or dense
 
 
 def _landmark_state(num_layers: int, num_slots: int, num_kv_heads: int,
