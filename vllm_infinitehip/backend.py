@@ -398,9 +398,10 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         if self.config.offload.enabled:
             self._setup_tier(vllm_config, kv_cache_spec, layer_names, any_params, device)
         if self.config.prefill_representatives == "landmark":
+            num_blocks = vllm_config.cache_config.num_gpu_blocks
             self.plan.landmarks = _landmark_state(
-                len(layer_names), vllm_config.cache_config.num_gpu_blocks * self.block_size,
-                kv_cache_spec.num_kv_heads, device,
+                len(layer_names), num_blocks * self.block_size, kv_cache_spec.num_kv_heads,
+                device, kv_bytes=num_blocks * kv_cache_spec.page_size_bytes * len(layer_names),
             )  # fmt: skip
             self.plan.landmark_page = self.block_size
         i32 = dict(dtype=torch.int32, device=device)
@@ -642,19 +643,22 @@ def stages_chunk(plan: StepPlan, num_queries: int, block_size_q: int, dense: boo
 
 
 def _landmark_state(num_layers: int, num_slots: int, num_kv_heads: int,
-                    device: torch.device) -> torch.Tensor:
+                    device: torch.device, kv_bytes: int) -> torch.Tensor:
     """Landmark scores of every layer of a group, zeroed: ``[layers, slots + 1, H_kv + 1]``
     float32 (the last row takes padding slots' writes). They live beside the KV cache, about
-    1% of a 16-bit cache's bytes; on a GPU the memory left past vLLM's budget must hold them."""
+    1% of a 16-bit cache's bytes; on a GPU the memory left past vLLM's budget must hold them.
+    vLLM makes the builders before it allocates the KV cache (``kv_bytes`` for this group), so
+    the check counts that too: a clear error here, not an out-of-memory in vLLM's allocation."""
     shape = (num_layers, num_slots + 1, num_kv_heads + 1)
     need = 4 * math.prod(shape)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        if free < need + (256 << 20):
+        if free < need + kv_bytes + (256 << 20):
             raise RuntimeError(
                 f"InfiniteHiP: prefill_representatives \"landmark\" keeps {need / 2**30:.2f} GiB "
-                f"of scores beside the KV cache and {free / 2**30:.2f} GiB are free: lower "
-                "gpu_memory_utilization (or kv_cache_memory_bytes) by that much"
+                f"of scores beside the {kv_bytes / 2**30:.2f} GiB KV cache, and "
+                f"{free / 2**30:.2f} GiB are free: lower gpu_memory_utilization (or "
+                "kv_cache_memory_bytes) by that much"
             )
     return torch.zeros(shape, dtype=torch.float32, device=device)
 
