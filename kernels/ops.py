@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 from vllm_infinitehip.kernels import decode as dec
 from vllm_infinitehip.kernels import reference as ref
-from vllm_infinitehip.kernels.query_blocks import DenseRows, QueryBlocks, RequestPart
+from vllm_infinitehip.kernels.query_blocks import DenseRows, LandmarkTiles, QueryBlocks
 
 
 @dataclass
@@ -107,13 +107,13 @@ class AttentionOps(Protocol):
         landmark representatives."""
         ...
 
-    def add_landmarks(self, chunks: tuple[RequestPart, ...], q: torch.Tensor,
-                      kv_cache: torch.Tensor, block_table: torch.Tensor, state: torch.Tensor,
-                      scale: float, window: int, *, k_scale: float | torch.Tensor | None = None,
+    def add_landmarks(self, tiles: LandmarkTiles, q: torch.Tensor, kv_cache: torch.Tensor,
+                      block_table: torch.Tensor, state: torch.Tensor, scale: float, window: int,
+                      *, k_scale: float | torch.Tensor | None = None,
                       v_scale: float | torch.Tensor | None = None,
                       split: ref.SplitV | None = None) -> None:  # fmt: skip
-        """Add each prefill chunk's queries (its keys written) to the landmark state, each to
-        the ``window`` keys before it."""
+        """Add each prefill chunk's queries (``tiles.chunks``, their keys written) to the
+        landmark state, each to its own keys and the ``window`` keys before them."""
         ...
 
     def attend_blocks(self, params: ref.PruneParams, blocks: QueryBlocks, q: torch.Tensor,
@@ -188,9 +188,9 @@ class ReferenceOps:
             valid[lo : lo + n, :w] = r.block_valid
         return ref.PruneResult(starts, valid, [])
 
-    def add_landmarks(self, chunks, q, kv_cache, block_table, state, scale, window, *,
+    def add_landmarks(self, tiles, q, kv_cache, block_table, state, scale, window, *,
                       k_scale=None, v_scale=None, split=None):  # fmt: skip
-        for p in chunks:
+        for p in tiles.chunks:
             ref.landmark_accumulate_paged(q[p.q_lo : p.q_hi], kv_cache, block_table[p.row],
                                           p.first_pos, state, scale, window=window,
                                           k_scale=k_scale, v_scale=v_scale)  # fmt: skip
@@ -276,14 +276,13 @@ class TritonOps:
                                  reduce_scores=self.reduce_scores, shared=shared,
                                  landmarks=landmarks)  # fmt: skip
 
-    def add_landmarks(self, chunks, q, kv_cache, block_table, state, scale, window, *,
+    def add_landmarks(self, tiles, q, kv_cache, block_table, state, scale, window, *,
                       k_scale=None, v_scale=None, split=None):  # fmt: skip
-        from vllm_infinitehip.kernels.triton_landmark import landmark_accumulate
+        """Every chunk in one launch."""
+        from vllm_infinitehip.kernels.triton_landmark import landmark_accumulate_tiles
 
-        for p in chunks:
-            landmark_accumulate(q[p.q_lo : p.q_hi], kv_cache, block_table[p.row], p.first_pos,
-                                state, scale, window=window, k_scale=k_scale,
-                                v_scale=v_scale)  # fmt: skip
+        landmark_accumulate_tiles(q, kv_cache, block_table, tiles, state, scale, window=window,
+                                  k_scale=k_scale, v_scale=v_scale)  # fmt: skip
 
     def attend_blocks(self, params, blocks, q, kv_cache, block_table, scale, prune, out, *,
                       k_scale=None, v_scale=None, split=None):  # fmt: skip

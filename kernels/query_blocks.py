@@ -190,3 +190,30 @@ class DenseRows:
         rows = torch.tensor([p.row for p in parts], dtype=torch.int64).to(device)
         return cls(tuple(parts), i32[0], i32[1, :-1], rows, index,
                    (parts[0].q_lo, parts[-1].q_hi), max(lens), max(p.slice_end for p in parts))  # fmt: skip
+
+
+# Keys per program of the landmark kernel (kernels/triton_landmark.py).
+LANDMARK_TILE = 32
+
+
+@dataclass(frozen=True)
+class LandmarkTiles:
+    """A step's prefill chunks as the tiles of keys their queries add landmark scores to: each
+    chunk's keys from ``window`` before its first query to its last, ``LANDMARK_TILE`` at a
+    time. ``tiles [n, 5]`` int32 on the device: block-table row, first key, index of the
+    chunk's first query in the step's queries, that query's position, the chunk's query count.
+    Planned once per step (host ints, one copy); every layer runs one launch over them."""
+
+    tiles: torch.Tensor
+    chunks: tuple[RequestPart, ...]
+
+    @classmethod
+    def plan(cls, chunks: tuple[RequestPart, ...], window: int,
+             device: torch.device) -> LandmarkTiles:  # fmt: skip
+        rows = []
+        for p in chunks:
+            n = p.q_hi - p.q_lo
+            for t0 in range(max(0, p.first_pos - window), p.first_pos + n, LANDMARK_TILE):
+                rows.append((p.row, t0, p.q_lo, p.first_pos, n))
+        tiles = torch.tensor(rows, dtype=torch.int32).view(-1, 5)
+        return cls(tiles.to(device, non_blocking=True), tuple(chunks))

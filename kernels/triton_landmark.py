@@ -10,10 +10,12 @@ queries added. A prefill chunk at positions ``[s, s + n)`` adds its queries to t
 followers it holds. Chunks add up to what one call gives, so a prompt's scores do not depend on
 how vLLM chunked it; a prefix-cache hit reuses its pages' scores as written.
 
-Kernel layout: one program per (tile of ``BLOCK_T`` keys, landmark column). A tile's followers
-span at most ``BLOCK_T + window`` queries: ``[BLOCK_T, D] x [D, BLOCK_Q]`` products, masked to
-the band, summed along the queries. Programs own disjoint (slot, column) cells, so a
-read-modify-write needs no atomics; the count column is written by column 0's programs.
+Kernel layout: one launch per layer for all of a step's chunks, one program per (tile of
+``LANDMARK_TILE`` keys of one chunk, landmark column; ``query_blocks.LandmarkTiles``, planned
+once per step). A tile's followers span at most ``LANDMARK_TILE + window`` queries: ``[tile, D]
+x [D, BLOCK_Q]`` products, masked to the band, summed along the queries. Programs own disjoint
+(slot, column) cells, so a read-modify-write needs no atomics; the count column is written by
+column 0's programs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
+from .query_blocks import LANDMARK_TILE, LandmarkTiles, RequestPart
 from .triton_bsa import kv_quant_args
 
 
@@ -31,11 +34,9 @@ def _landmark_kernel(
     q_ptr,
     k_ptr,
     block_table_ptr,
+    tiles_ptr,
     state_ptr,
     k_scale_ptr,
-    q_start,
-    n_q,
-    key_lo,
     head_dim,
     scale,
     stride_qn,
@@ -45,6 +46,7 @@ def _landmark_kernel(
     stride_ktok,
     stride_khead,
     stride_kd,
+    stride_btr,
     stride_spage,
     stride_stok,
     stride_sh,
@@ -58,16 +60,21 @@ def _landmark_kernel(
     BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    tile = tiles_ptr + tl.program_id(0).to(tl.int64) * 5
     column = tl.program_id(1)
-    offs_t = key_lo + tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    q_end = q_start + n_q
+    row = tl.load(tile).to(tl.int64)
+    first_t = tl.load(tile + 1)
+    q_lo = tl.load(tile + 2)
+    q_start = tl.load(tile + 3)
+    q_end = q_start + tl.load(tile + 4)
+    offs_t = first_t + tl.arange(0, BLOCK_T)
     t_in = offs_t < q_end
     offs_d = tl.arange(0, BLOCK_D)
     d_in = offs_d < head_dim
     kv_head = (column * HEADS_PER_COLUMN) // GROUP
 
-    page = tl.load(block_table_ptr + offs_t // PAGE_SIZE, mask=t_in, other=0).to(tl.int64)
+    table = block_table_ptr + row * stride_btr
+    page = tl.load(table + offs_t // PAGE_SIZE, mask=t_in, other=0).to(tl.int64)
     in_page = (offs_t % PAGE_SIZE).to(tl.int64)
     k = tl.load(k_ptr + page[:, None] * stride_kpage + in_page[:, None] * stride_ktok
                 + kv_head * stride_khead + offs_d[None, :] * stride_kd,
@@ -76,7 +83,6 @@ def _landmark_kernel(
         k = k.to(tl.float32) * tl.load(k_scale_ptr)
     k = k.to(tl.float32)
 
-    first_t = key_lo + tile * BLOCK_T
     p_lo = tl.maximum(first_t + 1, q_start)
     p_hi = tl.minimum(first_t + BLOCK_T + WINDOW, q_end)  # exclusive
     acc = tl.zeros([BLOCK_T], dtype=tl.float32)
@@ -85,10 +91,11 @@ def _landmark_kernel(
         p_in = offs_p < p_hi
         band = (offs_p[None, :] > offs_t[:, None]) & (offs_p[None, :] <= offs_t[:, None] + WINDOW)
         band = band & p_in[None, :] & t_in[:, None]
+        q_rows = (q_lo + offs_p - q_start).to(tl.int64)
         for j in tl.static_range(HEADS_PER_COLUMN):
             head = column * HEADS_PER_COLUMN + j
-            q = tl.load(q_ptr + (offs_p - q_start).to(tl.int64)[None, :] * stride_qn
-                        + head * stride_qh + offs_d[:, None] * stride_qd,
+            q = tl.load(q_ptr + q_rows[None, :] * stride_qn + head * stride_qh
+                        + offs_d[:, None] * stride_qd,
                         mask=p_in[None, :] & d_in[:, None], other=0.0)  # fmt: skip
             s = tl.dot(k, q.to(tl.float32) * scale, input_precision="ieee")  # [BLOCK_T, BLOCK_Q]
             acc += tl.sum(tl.where(band, s, 0.0), axis=1)
@@ -105,6 +112,41 @@ def _landmark_kernel(
         tl.store(cell + N_COLUMNS * stride_sh, counted + count, mask=t_in)
 
 
+def landmark_accumulate_tiles(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    tiles: LandmarkTiles,
+    state: torch.Tensor,
+    scale: float,
+    *,
+    window: int = ref.LANDMARK_WINDOW,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+) -> None:
+    """Add every prefill chunk of a step (``tiles``, planned with the same ``window``; ``q``
+    the step's queries, ``block_table [rows, pages]``) to the landmark ``state`` in place, in
+    one launch, as :func:`reference.landmark_accumulate_paged` does chunk by chunk. Chunks of
+    one step are different requests, so no two programs own the same cell."""
+    hq, d = q.shape[1], q.shape[2]
+    h = ref.check_landmark_state(state, kv_cache, hq)
+    n_tiles = tiles.tiles.shape[0]
+    if n_tiles == 0:
+        return
+    cache, k_sc, _, fp8 = kv_quant_args(kv_cache, k_scale, v_scale)
+    hkv, page_size = kv_cache.shape[3], kv_cache.shape[2]
+    if block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    _landmark_kernel[(n_tiles, h)](
+        q, cache, block_table, tiles.tiles, state, k_sc, d, scale,
+        *q.stride(), cache.stride(0), cache.stride(2), cache.stride(3), cache.stride(4),
+        block_table.stride(0) if block_table.dim() == 2 else 0, *state.stride(),
+        WINDOW=window, GROUP=hq // hkv, HEADS_PER_COLUMN=hq // h, N_COLUMNS=h,
+        PAGE_SIZE=page_size, BLOCK_T=LANDMARK_TILE, BLOCK_Q=64,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), KV_FP8=fp8, num_warps=4,
+    )  # fmt: skip
+
+
 def landmark_accumulate(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -117,26 +159,13 @@ def landmark_accumulate(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
 ) -> None:
-    """Add one request's prefill chunk (``q [n, H_q, D]`` at positions ``q_start ..``, its keys
-    already in the cache) to the landmark ``state`` in place, as
+    """One request's prefill chunk (``q [n, H_q, D]`` at positions ``q_start ..``, its keys
+    already in the cache) added to the landmark ``state`` in place, as
     :func:`reference.landmark_accumulate_paged` does."""
-    n, hq, d = q.shape
-    h = ref.check_landmark_state(state, kv_cache, hq)
-    if n == 0:
-        return
-    cache, k_sc, _, fp8 = kv_quant_args(kv_cache, k_scale, v_scale)
-    hkv, page_size = kv_cache.shape[3], kv_cache.shape[2]
-    key_lo = max(0, q_start - window)
-    block_t, block_q = 32, 64
-    grid = (triton.cdiv(q_start + n - key_lo, block_t), h)
-    _landmark_kernel[grid](
-        q, cache, block_table_row, state, k_sc, q_start, n, key_lo, d, scale,
-        *q.stride(), cache.stride(0), cache.stride(2), cache.stride(3), cache.stride(4),
-        *state.stride(),
-        WINDOW=window, GROUP=hq // hkv, HEADS_PER_COLUMN=hq // h, N_COLUMNS=h,
-        PAGE_SIZE=page_size, BLOCK_T=block_t, BLOCK_Q=block_q,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), KV_FP8=fp8, num_warps=4,
-    )  # fmt: skip
+    chunk = RequestPart(0, 0, q.shape[0], q_start, q_start + q.shape[0])
+    tiles = LandmarkTiles.plan((chunk,), window, q.device)
+    landmark_accumulate_tiles(q, kv_cache, block_table_row.view(1, -1), tiles, state, scale,
+                              window=window, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
 
 
 def landmark_tables(

@@ -86,6 +86,35 @@ def test_chunks_added_by_the_kernel_equal_the_reference_and_one_call(per_group, 
             assert not bool(state[p].any())
 
 
+def test_one_launch_over_a_steps_chunks_equals_the_reference_chunk_by_chunk():
+    """Two requests' chunks in one step, at rows 1 and 0 of the block table, their queries
+    interleaved in the step's query tensor as vLLM lays a batch out: one launch over the
+    planned tiles adds what the reference adds chunk by chunk."""
+    from vllm_infinitehip.kernels.query_blocks import LandmarkTiles, RequestPart
+
+    hq, hkv, d, window = 4, 2, 16, 24
+    qa, _, cache_a, table_a = paged_prompt(5, 90, hq, hkv, d)
+    qb, _, cache_b, table_b = paged_prompt(6, 70, hq, hkv, d)
+    # one cache: b's pages after a's
+    cache = torch.cat([cache_a, cache_b])
+    table_b = table_b + cache_a.shape[0]
+    width = max(table_a.numel(), table_b.numel())
+    table = torch.zeros(2, width, dtype=torch.int32, device=DEVICE)
+    table[0, : table_b.numel()], table[1, : table_a.numel()] = table_b, table_a
+    # this step: a's queries 40..90 (its first 40 came earlier), then all of b's
+    q = torch.cat([qa[40:], qb])
+    chunks = (RequestPart(1, 0, 50, 40, 90), RequestPart(0, 50, 120, 0, 70))
+    tiles = LandmarkTiles.plan(chunks, window, torch.device(DEVICE))
+    state = torch.zeros(cache.shape[0], PAGE, hkv + 1, device=DEVICE)
+    want = torch.zeros_like(state)
+    tlm.landmark_accumulate_tiles(q, cache, table, tiles, state, 0.3, window=window)
+    for p in chunks:
+        ref.landmark_accumulate_paged(q[p.q_lo : p.q_hi], cache, table[p.row], p.first_pos,
+                                      want, 0.3, window=window)  # fmt: skip
+    assert bool(want.any())
+    torch.testing.assert_close(state, want, rtol=1e-5, atol=1e-4)
+
+
 def test_a_bad_state_is_refused():
     q, _, cache, table = paged_prompt(1, 20, 4, 2, 16)
     with pytest.raises(ValueError, match="landmark state"):

@@ -57,7 +57,7 @@ from vllm_infinitehip.config import (
 from vllm_infinitehip.kernels import decode as dec
 from vllm_infinitehip.kernels import reference as ref
 from vllm_infinitehip.kernels.ops import AttentionOps, DecodeScratch, RequestKV, ops_for
-from vllm_infinitehip.kernels.query_blocks import DenseRows, QueryBlocks, RequestPart
+from vllm_infinitehip.kernels.query_blocks import DenseRows, LandmarkTiles, QueryBlocks, RequestPart
 from vllm_infinitehip.state import DecodeSlots
 
 # Under the "vllm" namespace so that vLLM's logging configuration (handlers, level) applies.
@@ -307,9 +307,9 @@ class PrefillPlan:
 
     batches: tuple[PrefillBatch, ...]
     context_pairs: int
-    # every chunk of the step whole, at its block-table row (with landmark scores: each adds
-    # its queries to them before any is pruned)
-    chunks: tuple[RequestPart, ...] = ()
+    # every chunk of the step whole, at its block-table row, in tiles of the keys it adds its
+    # queries' landmark scores to (with landmark representatives; before any chunk is pruned)
+    landmarks: LandmarkTiles | None = None
 
 
 @dataclass
@@ -610,12 +610,13 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
                 parts.extend(chunk)
         batches = [self._prefill_batch(dense, parts, None)] if dense or parts else []
         batches += [self._prefill_batch(d, p, key) for key, d, p in staged]
-        chunks = ()
+        landmarks = None
         if self.plan.landmarks is not None:
             chunks = tuple(RequestPart(i, qsl[i], qsl[i + 1], seq_lens[i] - qsl[i + 1] + qsl[i],
                                        seq_lens[i])
                            for i in range(first, len(seq_lens)) if qsl[i + 1] > qsl[i])  # fmt: skip
-        return PrefillPlan(tuple(batches), context, chunks)
+            landmarks = LandmarkTiles.plan(chunks, config.landmark_window, self.device)
+        return PrefillPlan(tuple(batches), context, landmarks)
 
     def _prefill_batch(
         self, dense: list[RequestPart], parts: list[tuple[str, RequestPart]],
@@ -1014,7 +1015,7 @@ class InfiniteHiPImpl(AttentionImpl):
         landmarks = None
         if self.plan.landmarks is not None:
             landmarks = self.plan.landmark_state(self.plan.layer_order[self._layer_name])
-            ops.add_landmarks(plan.chunks, q, kv_cache, block_table, landmarks, self.scale,
+            ops.add_landmarks(plan.landmarks, q, kv_cache, block_table, landmarks, self.scale,
                               self.config.landmark_window, **kv_args)  # fmt: skip
         for batch in plan.batches:
             cache, table, scales = kv_cache, block_table, kv_args
