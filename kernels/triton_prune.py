@@ -910,8 +910,15 @@ def run_stages_blocks(
                 lengths[part.row] = max(lengths.get(part.row, 0), part.seq_len)
         sizes = [st.chunk_size for j, st in enumerate(params.stages)
                  if j >= start_stage and not (params.exact_last_stage and j == n_stages - 1)]
-        rep_tables = landmark_tables(landmarks, block_table, lengths, params.sink_tokens, sizes,
-                                     hq // (landmarks.shape[2] - 1))  # fmt: skip
+        # the body and tail calls of one layer read the same requests: tables made once
+        key = ("landmark_tables", tuple(sizes), tuple(sorted(lengths.items())))
+        if shared is not None and key in shared:
+            rep_tables = shared[key]
+        else:
+            rep_tables = landmark_tables(landmarks, block_table, lengths, params.sink_tokens,
+                                         sizes, hq // (landmarks.shape[2] - 1))  # fmt: skip
+            if shared is not None:
+                shared[key] = rep_tables
     for i in range(start_stage, n_stages):
         st = params.stages[i]
         stage_inputs.append(cand)
