@@ -463,9 +463,10 @@ def select_rep_scores(
 
     ``exact``: score each chunk by its best key (every key probed, against the left-branch
     queries) instead of bisecting; meant for the last stage, whose chunks are a few keys.
-    ``landmarks`` (``[T, H_q]``, :func:`landmark_scores`; not with ``exact``): score each chunk
-    by one key per head, its representative (the chunk's key of the highest landmark score in
-    that head; :func:`landmark_representatives`), instead of bisecting.
+    ``landmarks`` (``[T, H]``, ``H`` dividing ``H_q``: :func:`landmark_scores`; not with
+    ``exact``): score each chunk by one key per head, its representative (the chunk's key of
+    the highest landmark score in that head's column; :func:`landmark_representatives`),
+    instead of bisecting.
 
     RoPE remapping (§2): ``q_pooled_right`` scores right-branch probes with other queries (the
     relative style puts the left and right probe keys at different positions); with
@@ -824,7 +825,7 @@ def run_stages(
     ``reduce_scores`` combines every stage's head-reduced scores across processes before its
     top-k (``tp_mask: "global"``: the max over all tensor-parallel ranks' heads); it runs once
     per stage whatever the branch, so that every rank makes the same collective calls.
-    ``landmarks`` (``[T, H_q]``, :func:`landmark_scores`): every stage but an exact last one
+    ``landmarks`` (``[T, H]``, :func:`landmark_scores`): every stage but an exact last one
     scores each chunk by its landmark representatives instead of bisecting.
     """
     seq_len = k.shape[0]

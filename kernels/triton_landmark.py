@@ -180,8 +180,8 @@ def landmark_tables(
     aligned chunk ``[sink + j l, sink + (j + 1) l)`` of the requests at block-table rows
     ``lengths`` (row -> its length: keys past it never stand for a chunk), what
     :func:`reference.landmark_table` gives over each request's scores
-    (:func:`reference.landmark_means_paged`). Rows not listed hold zeros. One gather of the requests'
-    state cells for all sizes (``[R, T, H + 1]`` float32, T the longest request)."""
+    (:func:`reference.landmark_means_paged`). Rows not listed hold zeros. One gather of the
+    requests' state cells for all sizes (``[R, T, H + 1]`` float32, T the longest request)."""
     h = state.shape[2] - 1
     page = state.shape[1]
     device = state.device

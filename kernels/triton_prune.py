@@ -802,10 +802,11 @@ def run_stages_blocks(
     """The cascade of :func:`reference.run_stages` for the query blocks of one or more requests
     (a step's prefill chunks) in one set of launches.
 
-    ``landmarks`` (the layer's landmark state, :mod:`triton_landmark`): every stage but an exact last one scores each chunk by its landmark representatives (one
-    probe per chunk and head) instead of bisecting, as :func:`reference.run_stages` with the
-    requests' landmark scores, for chunks that end before their block's key limit (every
-    candidate does when the first stage's chunks are at most half the window).
+    ``landmarks`` (the layer's landmark state, :mod:`triton_landmark`): every stage but an
+    exact last one scores each chunk by its landmark representatives (one probe per chunk and
+    head) instead of bisecting, as :func:`reference.run_stages` with the requests' landmark
+    scores, for chunks that end before their block's key limit (every candidate does when the
+    first stage's chunks are at most half the window).
 
     ``blocks`` (:class:`query_blocks.QueryBlocks`, in blocks of the first stage's
     ``block_size_q`` or a multiple of it) index ``q`` ``[Nq, H_q, D]`` (unscaled) and the rows

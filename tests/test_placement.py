@@ -67,7 +67,7 @@ def test_random_traffic_reads_every_block_from_its_one_home(seed):
         for req in list(held):
             if rng.random() < 0.1:
                 freed += held.pop(req)
-                if freed and rng.random() < 0.3:  # preempted and resumed at once: a new, shorter list
+                if freed and rng.random() < 0.3:  # preempted and resumed: a new, shorter list
                     held[req] = [freed.pop()]
         free_lru += freed
         new = [free_lru.pop(0) for _ in range(min(rng.randint(1, 6), len(free_lru)))]

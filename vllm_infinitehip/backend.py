@@ -268,16 +268,16 @@ class StepPlan:
     # the host tier's split layout (offload.layout "split"): this group's KV, by layer index
     split: SplitKV | None = None
     # landmark scores (prefill_representatives "landmark"): per layer (its place in the group)
-    # a row per KV slot, plus one that padding slots (-1) write, of H_kv sums and a count
+    # a row per KV slot, plus one that padding slots (-1) write, of H_kv sums and a count;
+    # slots are pages of landmark_page
     landmarks: torch.Tensor | None = None
+    landmark_page: int = 0
 
     def landmark_state(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s landmark state as the kernels take it, ``[pages, page, H + 1]``."""
         assert self.landmarks is not None
         state = self.landmarks[layer, :-1]
         return state.view(-1, self.landmark_page, state.shape[-1])
-
-    landmark_page: int = 0
 
 
 @dataclass(frozen=True)
