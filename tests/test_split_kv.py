@@ -90,3 +90,23 @@ def test_the_split_layout_stages_only_dense_prefill_chunks():
     assert not stages_chunk(split, 2048, 64, dense=False)
     assert not stages_chunk(host, 64, 64, dense=True)  # one query block: read in place
     assert not stages_chunk(SimpleNamespace(staging=None, split=None), 2048, 64, dense=True)
+
+
+def test_the_staging_holds_one_dense_prefill_not_a_max_model_len_request():
+    """Only dense chunks are staged in the split layout, so its staging (on a GPU) holds one
+    request's pages up to the longest dense context: HBM that would otherwise sit idle at
+    millions of tokens is left to V."""
+    from types import SimpleNamespace
+
+    from vllm_infinitehip.backend import split_staging_pages
+    from vllm_infinitehip.config import CPU_DENSE_PREFILL_CROSSOVER, InfiniteHiPConfig
+
+    def vllm_config(max_len: int):
+        model = SimpleNamespace(max_model_len=max_len,
+                                hf_text_config=SimpleNamespace(max_position_embeddings=max_len))
+        return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(cache_dtype="auto"))
+
+    config, cpu = InfiniteHiPConfig.from_user({}), torch.device("cpu")
+    assert split_staging_pages(config, vllm_config(1 << 20), cpu, 16) == (
+        CPU_DENSE_PREFILL_CROSSOVER // 16)
+    assert split_staging_pages(config, vllm_config(4000), cpu, 16) == 250

@@ -358,11 +358,14 @@ class _HostTierWorker:
         # a step allocates at most its tokens' blocks plus one per request crossing a boundary
         min_gpu_pages = math.ceil(sched.max_num_batched_tokens / block_size) + sched.max_num_seqs
         if self.device.type == "cuda":
-            # the staging of one max_model_len request's whole pages, one layer at a time,
-            # for the prefill chunks FlashAttention reads (backend._setup_split)
+            # the staging of one request's whole pages, one layer at a time, for the dense
+            # prefill chunks FlashAttention reads (backend._setup_split)
+            from vllm_infinitehip.backend import split_staging_pages
+
             layer_page = next(iter(specs.values())).page_size_bytes
-            max_len = self.vllm_config.model_config.max_model_len
-            device_budget -= math.ceil(max_len / block_size) * layer_page
+            config = InfiniteHiPConfig.from_vllm_config(self.vllm_config)
+            device_budget -= layer_page * split_staging_pages(config, self.vllm_config,
+                                                              self.device, block_size)  # fmt: skip
         tier = size_split_tier(
             offload, device_budget=device_budget, available_host=self._available_host_bytes(),
             block_bytes=block_bytes, min_gpu_pages=min_gpu_pages,
