@@ -322,7 +322,8 @@ def plot_prefill_breakdown(result: dict, out: Path) -> None:
         ax.hlines(r["prefill_ms_dense"], i - 0.4, i + 0.4, colors="k",
                   label=None if "dense" in seen else "dense SDPA")  # fmt: skip
         seen.add("dense")
-    labels = [f"{r['rope']}\n{r['variant']}\n{r['context'] // 1024}K" for r in rows]
+    labels = [f"{r['rope']}\n{r.get('representatives', 'bisection')}\n{r['variant']}\n"
+              f"{r['context'] // 1024}K" for r in rows]  # fmt: skip
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set(ylabel="ms per 32K-query chunk and layer",
            title=f"sparse prefill chunk by kernel, {result['gpu']}, {result['date']}")

@@ -15,6 +15,10 @@ prefill of the same chunk as the reference in the same run:
   GPU ms from ``torch.profiler``;
 - the variant's selections against the first variant's (the launch configuration must not
   change what is selected);
+- with ``--representatives bisection landmark``, the same with the stages scoring chunks by
+  landmark representatives (``prefill_representatives``): the chunk's landmark addition
+  (``landmark_ms``, in the pruning time; the earlier chunks' additions made before, with the
+  chunk's queries standing in for theirs) and ``final_overlap`` against bisection's blocks;
 - with ``--first-stage-block 64 128 256``, the same with the first pruning stage scoring query
   blocks of that many queries (``query_stride`` scaled to keep 16 pooled queries; the later
   stages keep 64: neighbouring blocks share the first stage's work), and ``final_overlap``: the
@@ -40,8 +44,10 @@ import common
 from decode_breakdown import kernel_times
 from vllm_infinitehip.kernels import reference as ref
 from vllm_infinitehip.kernels import triton_prune
+from vllm_infinitehip.kernels.query_blocks import LandmarkTiles, RequestPart
 from vllm_infinitehip.kernels.rope import RopeTable
 from vllm_infinitehip.kernels.triton_bsa import sparse_prefill_attention
+from vllm_infinitehip.kernels.triton_landmark import landmark_accumulate_tiles
 
 from vllm_infinitehip.config import InfiniteHiPConfig
 
@@ -55,15 +61,17 @@ VARIANTS = {
 ROPE_MODES = ("off", "relative", "chunk-indexed")
 
 
-def chunk_runner(params: ref.PruneParams, t: int, layer, scale: float):
-    """``(prune, attend)`` of the chunk, as ``TritonOps.prune`` / ``attend`` call the kernels."""
+def chunk_runner(params: ref.PruneParams, t: int, layer, scale: float,
+                 landmarks: torch.Tensor | None = None):  # fmt: skip
+    """``(prune, attend)`` of the chunk, as ``TritonOps.prune`` / ``attend`` call the kernels
+    (``landmarks``: the layer's landmark state, the chunk's queries already added)."""
     kv, table, _, qp = layer
     ppos = torch.arange(t - qp.shape[0], t, device="cuda")
     streaming = params.rope is not None and params.rope.bsa == "streaming"
 
     def prune():
         return triton_prune.run_stages_paged(params, qp, kv, table, ppos, scale, seq_len=t,
-                                             precision="tf32")  # fmt: skip
+                                             precision="tf32", landmarks=landmarks)  # fmt: skip
 
     def attend(sel):
         return sparse_prefill_attention(
@@ -76,19 +84,53 @@ def chunk_runner(params: ref.PruneParams, t: int, layer, scale: float):
     return prune, attend
 
 
+def landmark_layer(t: int, cfg: InfiniteHiPConfig, layer, scale: float):
+    """The layer's landmark state with every chunk before the measured one added (its queries
+    stand in for theirs), and the measured chunk's own addition as a call to time."""
+    kv, table, _, qp = layer
+    n, window = qp.shape[0], cfg.landmark_window
+    state = torch.zeros(kv.shape[0], kv.shape[2], kv.shape[3] + 1, device="cuda")
+    chunks = [RequestPart(0, 0, min(n, t - n - lo), lo, lo + min(n, t - n - lo))
+              for lo in range(0, t - n, n)]  # fmt: skip
+    for c in chunks:
+        tiles = LandmarkTiles.plan((c,), window, qp.device)
+        landmark_accumulate_tiles(qp[: c.q_hi], kv, table.view(1, -1), tiles, state, scale,
+                                  window=window)  # fmt: skip
+    tiles = LandmarkTiles.plan((RequestPart(0, 0, n, t - n, t),), window, qp.device)
+    before = state.clone()
+
+    def add():
+        state.copy_(before)
+        landmark_accumulate_tiles(qp, kv, table.view(1, -1), tiles, state, scale, window=window)
+
+    add()
+    return state, add
+
+
 def run_mode(t: int, cfg: InfiniteHiPConfig, layer, mode: str) -> dict:
     params = ab.prune_params(cfg)
     if mode != "off":
         rope = ref.RopePlan(RopeTable.default(ab.D, 500000.0), pruning=mode, bsa="streaming")
         params = dataclasses.replace(params, rope=rope)
-    prune, attend = chunk_runner(params, t, layer, ab.D**-0.5)
+    scale = ab.D**-0.5
+    state, add = None, None
+    if cfg.prefill_representatives == "landmark":
+        state, add = landmark_layer(t, cfg, layer, scale)
+    prune, attend = chunk_runner(params, t, layer, scale, state)
     sel = prune()
     prune_ms = ab.bench(prune, graph=False, reps=3)[0] / 1000
     attend_ms = ab.bench(lambda: attend(sel), graph=False, reps=3)[0] / 1000
+    # the chunk's landmark addition (with the copy that resets the state, timed apart)
+    landmark_ms = 0.0 if add is None else ab.bench(add, graph=False, reps=3)[0] / 1000
     kernels: dict[str, float] = {}
     for name, us in kernel_times(lambda: attend(prune()), reps=2):
         kernels[name] = kernels.get(name, 0.0) + us / 1000
-    return {"prune_ms": prune_ms, "attend_ms": attend_ms, "kernels_ms": kernels, "sel": sel}
+    if add is not None:
+        for name, us in kernel_times(add, reps=2):
+            if "landmark" in name:
+                kernels[name] = kernels.get(name, 0.0) + us / 1000
+    return {"prune_ms": prune_ms + landmark_ms, "attend_ms": attend_ms,
+            "landmark_ms": landmark_ms, "kernels_ms": kernels, "sel": sel}
 
 
 def with_first_stage_block(cfg: InfiniteHiPConfig, block: int) -> InfiniteHiPConfig:
@@ -111,12 +153,13 @@ def selection_overlap(sel: ref.PruneResult, base: ref.PruneResult) -> float:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("| context | rope | first-stage b_q | variant | prune ms | attend ms | chunk ms | x SDPA "
-          "| same selection | final overlap |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| context | rope | representatives | first-stage b_q | variant | prune ms | attend ms "
+          "| chunk ms | x SDPA | same selection | final overlap |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['context'] // 1024}K | {r['rope']} | {r['first_stage_block_q']} | "
-              f"{r['variant']} | {r['prune_ms']:.1f} | {r['attend_ms']:.1f} | "
+        print(f"| {r['context'] // 1024}K | {r['rope']} | {r['representatives']} | "
+              f"{r['first_stage_block_q']} | {r['variant']} | {r['prune_ms']:.1f} | "
+              f"{r['attend_ms']:.1f} | "
               f"{r['chunk_ms']:.1f} | {r['speedup_vs_dense']:.1f} | "
               f"{r['same_selection_as_first']} | {r['final_overlap']:.3f} |")  # fmt: skip
 
@@ -137,9 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--first-stage-block", type=int, nargs="+", default=[64],
                     help="query block sizes of the first pruning stage (the first is the base)")
+    ap.add_argument("--representatives", nargs="+", choices=["bisection", "landmark"],
+                    default=["bisection"], help="the prefill's chunk representatives "
+                    "(config prefill_representatives; the first is the base of final_overlap)")
     ap.add_argument("--out", default=str(common.RESULTS))
     args = ap.parse_args(argv)
-    base = InfiniteHiPConfig.from_user({"preset": "3k-fast"})
     date = datetime.date.today().isoformat()
     rows = []
     base_sel: dict[tuple, ref.PruneResult] = {}
@@ -147,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     for t in args.contexts:
         layer = ab.make_layer(t, seed=t % 1000)
         dense_ms = dense_prefill_ms(t, layer)
-        for mode, block in [(m, b) for m in args.rope for b in args.first_stage_block]:
+        for mode, block, reps in [(m, b, r) for m in args.rope for r in args.representatives
+                                  for b in args.first_stage_block]:  # fmt: skip
+            base = InfiniteHiPConfig.from_user({"preset": "3k-fast",
+                                                "prefill_representatives": reps})
             cfg = with_first_stage_block(base, block)
             first_sel = None
             for name in args.variants:
@@ -161,16 +209,17 @@ def main(argv: list[str] | None = None) -> int:
                 same = bool(torch.equal(sel.block_valid, first_sel.block_valid)
                             and torch.equal(sel.block_starts[sel.block_valid],
                                             first_sel.block_starts[first_sel.block_valid]))
-                if block == args.first_stage_block[0]:
+                if block == args.first_stage_block[0] and reps == args.representatives[0]:
                     base_sel[(t, mode, name)] = sel
                 r.update(context=t, rope=mode, variant=name, first_stage_block_q=block,
+                         representatives=reps,
                          prefill_ms_dense=dense_ms, chunk_ms=r["prune_ms"] + r["attend_ms"],
                          same_selection_as_first=same)  # fmt: skip
                 r["final_overlap"] = selection_overlap(sel, base_sel[(t, mode, name)])
                 r["speedup_vs_dense"] = dense_ms / r["chunk_ms"]
                 rows.append(r)
                 top = sorted(r["kernels_ms"].items(), key=lambda kv: -kv[1])[:6]
-                print(f"[prefill] {t} {mode} {name}: prune {r['prune_ms']:.1f} ms, attend "
+                print(f"[prefill] {t} {mode} {reps} {name}: prune {r['prune_ms']:.1f} ms, attend "
                       f"{r['attend_ms']:.1f} ms, same selection {same}; kernels "
                       + ", ".join(f"{n} {ms:.1f}" for n, ms in top), flush=True)  # fmt: skip
         del layer
