@@ -105,8 +105,8 @@ def select(params, q, k, position, scale):
     return mask, ref.remapped_attention_recall(params, q, k, pos, mask, scale)[0]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_prompt_args(parser: argparse.ArgumentParser) -> None:
+    """The passkey prompts and settings of a Q/K study (this one, ``representatives.py``)."""
     parser.add_argument("--model", default="smollm2-135m", help=common.MODEL_HELP)
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.5])
@@ -114,6 +114,11 @@ def main() -> int:
     parser.add_argument("--infinitehip", default="{}",
                         help="JSON settings (as additional_config's): the layers' parameters")
     parser.add_argument("--out", default=str(common.RESULTS))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_prompt_args(parser)
     args = parser.parse_args()
 
     from vllm_infinitehip.kernels import reference as ref

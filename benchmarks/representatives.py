@@ -61,14 +61,8 @@ def setting_params(params, setting: str):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m", help=common.MODEL_HELP)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[16384])
-    ap.add_argument("--depths", type=float, nargs="+", default=[0.5])
-    ap.add_argument("--n", type=int, default=1)
-    ap.add_argument("--infinitehip", default="{}",
-                    help="JSON settings (as additional_config's): the layers' parameters")
+    mask_heads.add_prompt_args(ap)
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
-    ap.add_argument("--out", default=str(common.RESULTS))
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of other configs already in the file")
     args = ap.parse_args()
