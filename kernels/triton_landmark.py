@@ -97,7 +97,9 @@ def _landmark_kernel(
             q = tl.load(q_ptr + q_rows[None, :] * stride_qn + head * stride_qh
                         + offs_d[:, None] * stride_qd,
                         mask=p_in[None, :] & d_in[:, None], other=0.0)  # fmt: skip
-            s = tl.dot(k, q.to(tl.float32) * scale, input_precision="ieee")  # [BLOCK_T, BLOCK_Q]
+            # tf32x3: fp32-accurate on tensor cores (3 passes); 137 GFLOP per 32K-query chunk and
+            # layer of Llama-3-8B
+            s = tl.dot(k, q.to(tl.float32) * scale, input_precision="tf32x3")  # [BLOCK_T, BLOCK_Q]
             acc += tl.sum(tl.where(band, s, 0.0), axis=1)
 
     cell = state_ptr + page * stride_spage + in_page * stride_stok
