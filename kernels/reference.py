@@ -729,7 +729,9 @@ def landmark_accumulate_paged(
     end = q_start + n
     page_size = kv_cache.shape[2]
     blocks = block_table_row[: -(-end // page_size)].long()
-    k, _ = gather_paged_kv(kv_cache, blocks, end, k_scale=k_scale, v_scale=v_scale)
+    # K alone: plane 0 of a cache, or the split layout's K plane (a cache of one plane)
+    k = _bytes(kv_cache).index_select(0, blocks)[:, 0].reshape(-1, *kv_cache.shape[-2:])[:end]
+    k = dequantize_fp8(k, k_scale) if is_fp8_cache(kv_cache) else k
     sums, counts = landmark_sums(q, k, scale, q_start, window, per_group=h != hq)
     lo = max(0, q_start - window)
     t = torch.arange(lo, end, device=kv_cache.device)

@@ -122,7 +122,7 @@ def test_selection_rules_parse_and_reach_the_layers():
         ({"prefill_representatives": "mean"}, "infinitehip.prefill_representatives"),
         ({"prefill_representatives": "landmark", "window_tokens": 512},
          "infinitehip.stages[0].chunk_size"),
-        ({"prefill_representatives": "landmark", "offload": True}, "infinitehip.offload"),
+        ({"prefill_representatives": "landmark", "offload": True}, "infinitehip.offload.layout"),
         ("{not json", "not valid JSON"),
     ],
 )

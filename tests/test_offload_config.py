@@ -84,6 +84,14 @@ def test_split_layout_sizes_gpu_plus_host_and_names_the_field_that_does_not_fit(
     with pytest.raises(InfiniteHiPConfigError, match=r"one step's new blocks"):
         size_split_tier(split, device_budget=100 * mib, available_host=128 * GIB,
                         block_bytes=mib, min_gpu_pages=1024)  # fmt: skip
+    # landmark scores stay on the GPU beside K: 16 tokens x (8 + 1) x 4 bytes x 32 layers a block
+    extra = 16 * 9 * 4 * 32
+    scored = size_split_tier(split, device_budget=116 * GIB, available_host=128 * GIB,
+                             block_bytes=mib, min_gpu_pages=1024,
+                             gpu_block_extra=extra)  # fmt: skip
+    assert scored.num_blocks < tier.num_blocks
+    used = scored.num_blocks * (mib // 2 + extra) + scored.gpu_pages * mib // 2
+    assert 0 <= 116 * GIB - used < mib + extra  # within the GPU, and no room for one block more
 
 
 def test_offload_layout_parses_and_bad_values_name_the_field():

@@ -112,6 +112,31 @@ def test_fp8_kv_split_equals_fp8_with_the_tier_off(tiny_model, hip_llm):
     assert got == want
 
 
+def test_landmark_representatives_with_v_spilled_equal_the_tier_off(tiny_model):
+    """``prefill_representatives: "landmark"`` over the split layout: the landmark state follows
+    the block ids the K plane is indexed by, so with most V spilled the tokens equal the tier
+    off with landmarks too. Runs after the module engine's tests: its tier replaces theirs."""
+    from vllm import LLM
+
+    hip = {**SMALL_HIP, "prefill_representatives": "landmark", "prefill_tail_window": None}
+
+    def run(offload):
+        config = {**hip, **({"offload": offload} if offload else {})}
+        llm = LLM(tiny_model, attention_backend="infinitehip",
+                  additional_config={"infinitehip": config}, **ENGINE_KW)  # fmt: skip
+        try:
+            tokens = greedy(llm, PROMPTS[:2], 12)
+            return tokens, llm.collective_rpc(split_state)[0] if offload else None
+        finally:
+            del llm
+            gc.collect()
+
+    want, _ = run(None)
+    got, state = run(SPLIT)
+    assert state["spilled"] > 0
+    assert got == want
+
+
 def test_preemption_under_a_small_gpu_side_keeps_greedy_output(tiny_model):
     """5.5 MiB: K of 64 blocks. Two prompts of 25 blocks each fit at once, then outgrow it
     while they decode 1000 tokens, so vLLM preempts one (recompute) and resumes it; what is recomputed is homed again. The oracle is

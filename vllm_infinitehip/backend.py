@@ -399,9 +399,13 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             self._setup_tier(vllm_config, kv_cache_spec, layer_names, any_params, device)
         if self.config.prefill_representatives == "landmark":
             num_blocks = vllm_config.cache_config.num_gpu_blocks
+            # vLLM allocates its KV after the builders; the split layout's is made already
+            # (_setup_split), and its sizing counted the scores (worker._size_split)
+            pending = 0 if self.plan.split is not None else (
+                num_blocks * kv_cache_spec.page_size_bytes * len(layer_names))  # fmt: skip
             self.plan.landmarks = _landmark_state(
                 len(layer_names), num_blocks * self.block_size, kv_cache_spec.num_kv_heads,
-                device, kv_bytes=num_blocks * kv_cache_spec.page_size_bytes * len(layer_names),
+                device, kv_bytes=pending,
             )  # fmt: skip
             self.plan.landmark_page = self.block_size
         i32 = dict(dtype=torch.int32, device=device)
@@ -917,6 +921,10 @@ class InfiniteHiPImpl(AttentionImpl):
         slot_mapping: torch.Tensor,
     ) -> None:
         plan = _current_plan(layer.layer_name)
+        if plan is not None and plan.landmarks is not None:
+            # a written slot's scores start anew (a block vLLM hands out again held another
+            # request's); a prefill adds its queries after, decode keys keep none
+            plan.landmarks[plan.layer_order[layer.layer_name]].index_fill_(0, slot_mapping, 0.0)
         if plan is not None and plan.split is not None:
             plane, split = plan.split.layer(plan.bank_layers[layer.layer_name])
             if plane.device.type == "cuda":
@@ -929,10 +937,6 @@ class InfiniteHiPImpl(AttentionImpl):
                                    k_scale=layer._k_scale, v_scale=layer._v_scale)  # fmt: skip
             return
         self._write_kv(layer, key, value, kv_cache, slot_mapping)
-        if plan is not None and plan.landmarks is not None:
-            # a written slot's scores start anew (a block vLLM hands out again held another
-            # request's); a prefill adds its queries after, decode keys keep none
-            plan.landmarks[plan.layer_order[layer.layer_name]].index_fill_(0, slot_mapping, 0.0)
         if plan is not None and plan.bank is not None:
             plan.bank.layer_work(
                 plan.bank_layers[layer.layer_name], kv_cache, slot_mapping.shape[0],

@@ -189,7 +189,7 @@ class InfiniteHiPConfig:
       the query heads of its KV head), kept per KV slot as each prefill chunk is written: one
       probe per chunk and KV head. It keeps sharp keys that bisection steps past. The scores
       take ``(H_kv + 1)`` float32 per token and layer beside the KV cache (about 1% of a
-      16-bit cache). Decode keeps bisection.
+      16-bit cache). Decode keeps bisection. With ``offload``, the ``"split"`` layout only.
     - ``scoring_precision``: how the GPU prefill's pruning stages multiply q.k: ``"tf32"`` (one
       tensor-core pass, default) or ``"fp32"`` (three passes, fp32-accurate). Decode scoring is
       always exact fp32 (one query per row).
@@ -558,10 +558,12 @@ class InfiniteHiPConfig:
                 f"`infinitehip.window_tokens`={self.window_tokens}: a key's landmark score "
                 "averages the queries between its chunk and the window"
             )
-        if self.prefill_representatives == "landmark" and self.offload.enabled:
+        if (self.prefill_representatives == "landmark" and self.offload.enabled
+                and self.offload.layout == "host"):  # fmt: skip
             raise InfiniteHiPConfigError(
                 "`infinitehip.prefill_representatives`=\"landmark\" does not combine with "
-                "`infinitehip.offload` yet: its scores are kept beside a KV cache on one device"
+                "`infinitehip.offload.layout`=\"host\" yet (its prefill reads staged copies "
+                "of the pages, not the pages its scores follow): use the \"split\" layout"
             )
         if self.dense_layer_keep_tokens % self.block_size_k:
             raise InfiniteHiPConfigError(

@@ -140,11 +140,14 @@ def size_split_tier(
     block_bytes: int,
     min_gpu_pages: int,
     workers_on_host: int = 1,
+    gpu_block_extra: int = 0,
 ) -> HostTier:
     """The ``"split"`` layout's sizes: every block's K on the GPU, V on the GPU first and on the
     host past it (:func:`~vllm_infinitehip.block_manager.placement.split_capacity`).
     ``block_bytes``: one block's K and V over every layer. ``min_gpu_pages``: the V pages one
-    step's new blocks may need. Raises :class:`InfiniteHiPConfigError` naming the field."""
+    step's new blocks may need. ``gpu_block_extra``: what else every block keeps on the GPU
+    beside its K (its landmark scores). Raises :class:`InfiniteHiPConfigError` naming the
+    field."""
     where = "infinitehip.offload"
     host = _host_bytes(offload, available_host, workers_on_host)
     gpu_bytes = device_budget
@@ -152,7 +155,8 @@ def size_split_tier(
         gpu_bytes = _within_profiled("gpu_gib", offload.gpu_gib, device_budget)
     half = block_bytes // 2
     try:
-        cap = split_capacity(gpu_bytes, host, half, block_bytes - half, min_gpu_pages)
+        cap = split_capacity(gpu_bytes, host, half + gpu_block_extra, block_bytes - half,
+                             min_gpu_pages)  # fmt: skip
     except ValueError:
         raise InfiniteHiPConfigError(
             f"`{where}`: the split layout keeps every block's K and the V of one step's new "
@@ -363,13 +367,20 @@ class _HostTierWorker:
             from vllm_infinitehip.backend import split_staging_pages
 
             layer_page = next(iter(specs.values())).page_size_bytes
-            config = InfiniteHiPConfig.from_vllm_config(self.vllm_config)
-            device_budget -= layer_page * split_staging_pages(config, self.vllm_config,
-                                                              self.device, block_size)  # fmt: skip
+            device_budget -= layer_page * split_staging_pages(
+                InfiniteHiPConfig.from_vllm_config(self.vllm_config), self.vllm_config,
+                self.device, block_size)  # fmt: skip
+        config = InfiniteHiPConfig.from_vllm_config(self.vllm_config)
+        landmark_bytes = 0
+        if config.prefill_representatives == "landmark":
+            # the landmark scores of every slot and layer stay on the GPU (backend._landmark_state)
+            landmark_bytes = sum(4 * block_size * (spec.num_kv_heads + 1)
+                                 for spec in specs.values())  # fmt: skip
         tier = size_split_tier(
             offload, device_budget=device_budget, available_host=self._available_host_bytes(),
             block_bytes=block_bytes, min_gpu_pages=min_gpu_pages,
             workers_on_host=self.parallel_config.local_world_size,
+            gpu_block_extra=landmark_bytes,
         )  # fmt: skip
         install(tier)
         logger.info(
