@@ -27,7 +27,7 @@ PROMPTS = ["def main():\n    " + "x = compute(x)\n    " * 300 + "return", "impor
 
 
 @pytest.fixture
-def generate(tiny_model):
+def generate(tiny_model, tmp_path):
     """``generate(backend, engine, max_tokens, **extra)``: the tiny Llama's greedy tokens (and the
     worker's report) from an engine in its own process."""
     return lambda *args, **kw: _generate(tiny_model, tmp_path, *args, **kw)
@@ -116,6 +116,25 @@ def test_prefill_chunks_of_several_requests_in_one_step_equal_each_alone(generat
     hip = {**SMALL, "prefill_dense_threshold": 1200}
     prompts = [PROMPTS[0], "class A:\n    pass\n" * 60, PROMPTS[1]]
     engine = {**GRAPHS, "max_num_batched_tokens": 8192, "additional_config": {"infinitehip": hip}}
+    out = generate("infinitehip", engine, max_tokens=12, prompts=prompts,
+                   batch_then_alone=True)  # fmt: skip
+    stats = out["report"]["stats"]
+    assert stats["sparse_prefill_queries"] > 0 and stats["dense_queries"] > 0
+    tokens = out["tokens"]
+    assert tokens[:3] == tokens[3:]
+
+
+def test_landmark_representatives_in_a_batch_equal_each_prompt_alone(generate):
+    """``prefill_representatives: "landmark"`` on the GPU path: the step's chunks add their
+    queries to the landmark state in one launch, the SelectRep kernel probes each chunk's
+    representative; with CUDA graphs on and prompts cut into chunks differently in a batch
+    than alone, each gives the tokens it gives alone (tail window off: it widens the last block
+    of every chunk, whatever the representatives). CPU twin: tests/test_vllm_cpu.py."""
+    hip = {**SMALL, "prefill_representatives": "landmark", "prefill_tail_window": None,
+           "prefill_dense_threshold": 1200}
+    prompts = [PROMPTS[0], "class A:\n    pass\n" * 60, PROMPTS[1]]
+    engine = {**GRAPHS, "max_num_batched_tokens": 2048, "enable_prefix_caching": False,
+              "additional_config": {"infinitehip": hip}}  # fmt: skip
     out = generate("infinitehip", engine, max_tokens=12, prompts=prompts,
                    batch_then_alone=True)  # fmt: skip
     stats = out["report"]["stats"]
