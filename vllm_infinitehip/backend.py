@@ -541,6 +541,12 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         prefill = None
         if num_decodes < n:
             prefill = self._plan_prefill(qsl.tolist(), seq_lens_host.tolist(), num_decodes)
+        if self.plan.landmarks is not None and not capture:
+            # the slots this step writes start with no landmark score, in every layer at once
+            # (a block vLLM hands out again held another request's); the step's prefill chunks
+            # add their queries after, decode keys keep none. Enqueued before the step's
+            # forward, so no layer's work (nor a decode graph) does it.
+            self.plan.landmarks.index_fill_(1, m.slot_mapping[: m.num_actual_tokens], 0.0)
 
         decode = None
         slots = self.plan.slots
@@ -921,10 +927,6 @@ class InfiniteHiPImpl(AttentionImpl):
         slot_mapping: torch.Tensor,
     ) -> None:
         plan = _current_plan(layer.layer_name)
-        if plan is not None and plan.landmarks is not None:
-            # a written slot's scores start anew (a block vLLM hands out again held another
-            # request's); a prefill adds its queries after, decode keys keep none
-            plan.landmarks[plan.layer_order[layer.layer_name]].index_fill_(0, slot_mapping, 0.0)
         if plan is not None and plan.split is not None:
             plane, split = plan.split.layer(plan.bank_layers[layer.layer_name])
             if plane.device.type == "cuda":
