@@ -96,6 +96,23 @@ def load_model(name: str, infinitehip: str) -> LoadedModel:
                        RopeTable.from_vllm(attn.head_dim, model.config), attn.scaling)
 
 
+def passkey_prompts(tok, chat: bool, lengths, depths, n: int):
+    """The study's passkey prompts, seeded as the passkey harness seeds them: per length, depth
+    and seed ``i``, ``(depth, i, token ids [1, T], the passkey's token positions)``."""
+    from vllm_infinitehip.passkey import make_passkey_prompt
+
+    for length in lengths:
+        for depth in depths:
+            for i in range(n):
+                prompt = make_passkey_prompt(tok, length, depth, chat=chat,
+                                             seed=1000 * i + int(depth * 100) + length)
+                enc = tok(prompt.text, return_offsets_mapping=True)
+                at = prompt.text.index(prompt.passkey)
+                needle = [t for t, (a, b) in enumerate(enc["offset_mapping"])
+                          if a < at + len(prompt.passkey) and b > at]
+                yield depth, i, torch.tensor([enc["input_ids"]]), needle
+
+
 def select(params, q, k, position, scale):
     from vllm_infinitehip.kernels import reference as ref
 
@@ -124,7 +141,6 @@ def main() -> int:
     from vllm_infinitehip.kernels import reference as ref
 
     from vllm_infinitehip.backend import layer_prune_params
-    from vllm_infinitehip.passkey import make_passkey_prompt
 
     m = load_model(args.model, args.infinitehip)
     tok, chat, model, cfg, config, table, scale = (m.tok, m.chat, m.model, m.cfg, m.config,
@@ -133,50 +149,42 @@ def main() -> int:
     date = datetime.date.today().isoformat()
     out = Path(args.out) / "mask-heads-cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    for length in args.lengths:
-        for depth in args.depths:
-            for i in range(args.n):
-                prompt = make_passkey_prompt(tok, length, depth, chat=chat,
-                                             seed=1000 * i + int(depth * 100) + length)
-                enc = tok(prompt.text, return_offsets_mapping=True)
-                ids = torch.tensor([enc["input_ids"]])
-                at = prompt.text.index(prompt.passkey)
-                needle = [t for t, (a, b) in enumerate(enc["offset_mapping"])
-                          if a < at + len(prompt.passkey) and b > at]
-                position = ids.shape[1] - 1
-                for layer, (q, k) in enumerate(capture_qk(model, ids)):
-                    rope = ref.RopePlan(table=table, pruning=cfg.rope_pruning_for_layer(layer),
-                                        bsa=cfg.rope_bsa)
-                    params = layer_prune_params(cfg, layer, rope)
-                    hkv = k.shape[1]
-                    group = q.shape[1] // hkv
-                    shared_mask, shared = select(params, q, k, position, scale)
-                    per_group, kept = [], True
-                    for g in range(hkv):
-                        mask, recall = select(params, q[:, g * group:(g + 1) * group],
-                                              k[:, g:g + 1], position, scale)
-                        per_group.append(recall)
-                        kept &= bool(mask[0, needle].all())
-                    for mode, recall, needle_kept in (
-                            ("layer", shared, bool(shared_mask[0, needle].all())),
-                            ("kv_group", torch.cat(per_group), kept)):
-                        rows.append({"model": common.model_name(args.model), "config": config,
-                                     "context": ids.shape[1],
-                                     "depth": depth, "seed": i, "layer": layer, "mode": mode,
-                                     "recall": round(float(recall.mean()), 5),
-                                     "recall_min_head": round(float(recall.min()), 5),
-                                     "needle_kept": needle_kept})
-                out.write_text(json.dumps({"name": "mask-heads", "date": date, "gpu": "cpu",
-                                           "command": common.command_line(),
-                                           "rows": rows}, indent=0))
-                for mode in ("layer", "kv_group"):
-                    rs = [r for r in rows if r["mode"] == mode and r["depth"] == depth
-                          and r["seed"] == i and r["context"] == ids.shape[1]]  # fmt: skip
-                    worst = min(rs, key=lambda r: r["recall"])
-                    print(f"{ids.shape[1]:>6} depth {depth} seed {i} {mode:<9} recall "
-                          f"{sum(r['recall'] for r in rs) / len(rs):.3f} worst L{worst['layer']} "
-                          f"{worst['recall']:.3f}, needle kept in "
-                          f"{sum(r['needle_kept'] for r in rs)}/{len(rs)} layers", flush=True)
+    for depth, i, ids, needle in passkey_prompts(tok, chat, args.lengths, args.depths,
+                                                 args.n):
+        position = ids.shape[1] - 1
+        for layer, (q, k) in enumerate(capture_qk(model, ids)):
+            rope = ref.RopePlan(table=table, pruning=cfg.rope_pruning_for_layer(layer),
+                                bsa=cfg.rope_bsa)
+            params = layer_prune_params(cfg, layer, rope)
+            hkv = k.shape[1]
+            group = q.shape[1] // hkv
+            shared_mask, shared = select(params, q, k, position, scale)
+            per_group, kept = [], True
+            for g in range(hkv):
+                mask, recall = select(params, q[:, g * group:(g + 1) * group],
+                                      k[:, g:g + 1], position, scale)
+                per_group.append(recall)
+                kept &= bool(mask[0, needle].all())
+            for mode, recall, needle_kept in (
+                    ("layer", shared, bool(shared_mask[0, needle].all())),
+                    ("kv_group", torch.cat(per_group), kept)):
+                rows.append({"model": common.model_name(args.model), "config": config,
+                             "context": ids.shape[1],
+                             "depth": depth, "seed": i, "layer": layer, "mode": mode,
+                             "recall": round(float(recall.mean()), 5),
+                             "recall_min_head": round(float(recall.min()), 5),
+                             "needle_kept": needle_kept})
+        out.write_text(json.dumps({"name": "mask-heads", "date": date, "gpu": "cpu",
+                                   "command": common.command_line(),
+                                   "rows": rows}, indent=0))
+        for mode in ("layer", "kv_group"):
+            rs = [r for r in rows if r["mode"] == mode and r["depth"] == depth
+                  and r["seed"] == i and r["context"] == ids.shape[1]]  # fmt: skip
+            worst = min(rs, key=lambda r: r["recall"])
+            print(f"{ids.shape[1]:>6} depth {depth} seed {i} {mode:<9} recall "
+                  f"{sum(r['recall'] for r in rs) / len(rs):.3f} worst L{worst['layer']} "
+                  f"{worst['recall']:.3f}, needle kept in "
+                  f"{sum(r['needle_kept'] for r in rs)}/{len(rs)} layers", flush=True)
     from plot import plot_mask_heads  # benchmarks/plot.py, beside this file
 
     plot_mask_heads(json.loads(out.read_text()), out.with_suffix(".png"))

@@ -69,7 +69,6 @@ def main() -> int:
 
     from vllm_infinitehip.backend import layer_prune_params
     from vllm_infinitehip.kernels import reference as ref
-    from vllm_infinitehip.passkey import make_passkey_prompt
 
     m = mask_heads.load_model(args.model, args.infinitehip)
     tok, chat, model, cfg, config, table, scale = (m.tok, m.chat, m.model, m.cfg, m.config,
@@ -84,59 +83,51 @@ def main() -> int:
     kept: list[dict] = []
     if args.merge and out.exists():
         kept = [r for r in json.loads(out.read_text())["rows"] if r["config"] != config]
-    for length in args.lengths:
-        for depth in args.depths:
-            for i in range(args.n):
-                prompt = make_passkey_prompt(tok, length, depth, chat=chat,
-                                             seed=1000 * i + int(depth * 100) + length)
-                enc = tok(prompt.text, return_offsets_mapping=True)
-                ids = torch.tensor([enc["input_ids"]])
-                n = ids.shape[1]
-                at = prompt.text.index(prompt.passkey)
-                needle = [t for t, (a, b) in enumerate(enc["offset_mapping"])
-                          if a < at + len(prompt.passkey) and b > at]
-                for layer, (q, k) in enumerate(mask_heads.capture_qk(model, ids, last=n)):
-                    rope = None
-                    if n > trained:
-                        rope = ref.RopePlan(table=table, pruning=cfg.rope_pruning_for_layer(layer),
-                                            bsa=cfg.rope_bsa, trained_context=trained,
-                                            pruning_from=0 if cfg.remap_pruning == "always"
-                                            else None)  # fmt: skip
-                    base = layer_prune_params(cfg, layer, rope)
-                    landmarks = ref.landmark_scores(q, k, scale)
-                    hkv = k.shape[1]
-                    group = landmarks.view(n, hkv, -1).mean(-1, keepdim=True)
-                    group = group.expand(n, hkv, q.shape[1] // hkv).reshape(n, -1)
-                    for setting in args.settings:
-                        params = setting_params(base, setting)
-                        lm = {"bisection": None, "landmark-group": group}.get(setting, landmarks)
-                        for kind, first in (("decode", n - 1), ("prefill", n - 64)):
-                            # one query block either way (its last query's row is measured)
-                            pos = torch.arange(first, n)
-                            prune = ref.run_stages(params, q[first:], k, pos, scale,
-                                                   landmarks=lm)  # fmt: skip
-                            mask = ref.sparse_key_mask(params, n, pos, prune.block_starts,
-                                                       prune.block_valid)[-1:]  # fmt: skip
-                            recall = ref.remapped_attention_recall(
-                                params, q[n - 1 :], k, pos[-1:], mask, scale)[0]
-                            rows.append({"model": common.model_name(args.model),
-                                         "config": config, "context": n, "depth": depth,
-                                         "seed": i, "layer": layer, "setting": setting,
-                                         "mask": kind,
-                                         "recall": round(float(recall.mean()), 5),
-                                         "needle_kept": bool(mask[0, needle].all())})
-                out.write_text(json.dumps({"name": "representatives", "date": date,
-                                           "gpu": "cpu", "command": common.command_line(),
-                                           "rows": kept + rows}, indent=0))
-                for setting in args.settings:
-                    for kind in ("decode", "prefill"):
-                        rs = [r for r in rows if (r["setting"], r["mask"], r["context"],
-                                                  r["depth"], r["seed"]) == (setting, kind, n,
-                                                                             depth, i)]
-                        print(f"{n:>6} depth {depth} seed {i} {setting:<17} {kind:<8} recall "
-                              f"{sum(r['recall'] for r in rs) / len(rs):.3f}, needle kept in "
-                              f"{sum(r['needle_kept'] for r in rs)}/{len(rs)} layers",
-                              flush=True)  # fmt: skip
+    for depth, i, ids, needle in mask_heads.passkey_prompts(tok, chat, args.lengths,
+                                                            args.depths, args.n):
+        n = ids.shape[1]
+        for layer, (q, k) in enumerate(mask_heads.capture_qk(model, ids, last=n)):
+            rope = None
+            if n > trained:
+                rope = ref.RopePlan(table=table, pruning=cfg.rope_pruning_for_layer(layer),
+                                    bsa=cfg.rope_bsa, trained_context=trained,
+                                    pruning_from=0 if cfg.remap_pruning == "always"
+                                    else None)  # fmt: skip
+            base = layer_prune_params(cfg, layer, rope)
+            landmarks = ref.landmark_scores(q, k, scale)
+            hkv = k.shape[1]
+            group = landmarks.view(n, hkv, -1).mean(-1, keepdim=True)
+            group = group.expand(n, hkv, q.shape[1] // hkv).reshape(n, -1)
+            for setting in args.settings:
+                params = setting_params(base, setting)
+                lm = {"bisection": None, "landmark-group": group}.get(setting, landmarks)
+                for kind, first in (("decode", n - 1), ("prefill", n - 64)):
+                    # one query block either way (its last query's row is measured)
+                    pos = torch.arange(first, n)
+                    prune = ref.run_stages(params, q[first:], k, pos, scale,
+                                           landmarks=lm)  # fmt: skip
+                    mask = ref.sparse_key_mask(params, n, pos, prune.block_starts,
+                                               prune.block_valid)[-1:]  # fmt: skip
+                    recall = ref.remapped_attention_recall(
+                        params, q[n - 1 :], k, pos[-1:], mask, scale)[0]
+                    rows.append({"model": common.model_name(args.model),
+                                 "config": config, "context": n, "depth": depth,
+                                 "seed": i, "layer": layer, "setting": setting,
+                                 "mask": kind,
+                                 "recall": round(float(recall.mean()), 5),
+                                 "needle_kept": bool(mask[0, needle].all())})
+        out.write_text(json.dumps({"name": "representatives", "date": date,
+                                   "gpu": "cpu", "command": common.command_line(),
+                                   "rows": kept + rows}, indent=0))
+        for setting in args.settings:
+            for kind in ("decode", "prefill"):
+                rs = [r for r in rows if (r["setting"], r["mask"], r["context"],
+                                          r["depth"], r["seed"]) == (setting, kind, n,
+                                                                     depth, i)]
+                print(f"{n:>6} depth {depth} seed {i} {setting:<17} {kind:<8} recall "
+                      f"{sum(r['recall'] for r in rs) / len(rs):.3f}, needle kept in "
+                      f"{sum(r['needle_kept'] for r in rs)}/{len(rs)} layers",
+                      flush=True)  # fmt: skip
     plot(kept + rows, out.with_suffix(".png"))
     print(f"wrote {out} and its .png")
     return 0
