@@ -680,15 +680,15 @@ def landmark_representatives(
 def landmark_table(
     landmarks: torch.Tensor, sink: int, chunk_size: int, n_chunks: int
 ) -> torch.Tensor:
-    """``[n_chunks, H]`` int32: the representative of every aligned chunk ``[sink + j l,
-    sink + (j + 1) l)`` (cut at the ``T`` keys of ``landmarks [T, H]``) per landmark column,
-    what :func:`landmark_representatives` picks for a chunk that ends before its block's key
-    limit; the kernels read it by chunk ordinal."""
-    t_keys, h = landmarks.shape
-    padded = torch.full((n_chunks * chunk_size, h), NEG_INF, device=landmarks.device)
+    """``[..., n_chunks, H]`` int32: the representative of every aligned chunk ``[sink + j l,
+    sink + (j + 1) l)`` (cut at the ``T`` keys of ``landmarks [..., T, H]``, one request's or a
+    batch of them) per landmark column, what :func:`landmark_representatives` picks for a chunk
+    that ends before its block's key limit; the kernels read it by chunk ordinal."""
+    *batch, t_keys, h = landmarks.shape
+    padded = torch.full((*batch, n_chunks * chunk_size, h), NEG_INF, device=landmarks.device)
     n = max(0, min(t_keys - sink, n_chunks * chunk_size))
-    padded[:n] = landmarks[sink : sink + n]
-    best = padded.view(n_chunks, chunk_size, h).argmax(1)
+    padded[..., :n, :] = landmarks[..., sink : sink + n, :]
+    best = padded.view(*batch, n_chunks, chunk_size, h).argmax(-2)
     starts = sink + chunk_size * torch.arange(n_chunks, device=landmarks.device).view(-1, 1)
     return (starts + best).to(torch.int32)
 

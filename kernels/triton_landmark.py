@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
-from .query_blocks import LANDMARK_TILE, LandmarkTiles, RequestPart
+from .query_blocks import LANDMARK_TILE, LandmarkTiles
 from .triton_bsa import kv_quant_args
 
 
@@ -127,8 +127,9 @@ def landmark_accumulate_tiles(
     v_scale: float | torch.Tensor | None = None,
 ) -> None:
     """Add every prefill chunk of a step (``tiles``, planned with the same ``window``; ``q``
-    the step's queries, ``block_table [rows, pages]``) to the landmark ``state`` in place, in
-    one launch, as :func:`reference.landmark_accumulate_paged` does chunk by chunk. Chunks of
+    the step's queries, ``block_table [rows, pages]``; one chunk: ``LandmarkTiles.plan`` of
+    it) to the landmark ``state`` in place, in one launch, as
+    :func:`reference.landmark_accumulate_paged` does chunk by chunk. Chunks of
     one step are different requests, so no two programs own the same cell."""
     hq, d = q.shape[1], q.shape[2]
     h = ref.check_landmark_state(state, kv_cache, hq)
@@ -147,27 +148,6 @@ def landmark_accumulate_tiles(
         PAGE_SIZE=page_size, BLOCK_T=LANDMARK_TILE, BLOCK_Q=64,
         BLOCK_D=max(16, triton.next_power_of_2(d)), KV_FP8=fp8, num_warps=4,
     )  # fmt: skip
-
-
-def landmark_accumulate(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table_row: torch.Tensor,
-    q_start: int,
-    state: torch.Tensor,
-    scale: float,
-    *,
-    window: int = ref.LANDMARK_WINDOW,
-    k_scale: float | torch.Tensor | None = None,
-    v_scale: float | torch.Tensor | None = None,
-) -> None:
-    """One request's prefill chunk (``q [n, H_q, D]`` at positions ``q_start ..``, its keys
-    already in the cache) added to the landmark ``state`` in place, as
-    :func:`reference.landmark_accumulate_paged` does."""
-    chunk = RequestPart(0, 0, q.shape[0], q_start, q_start + q.shape[0])
-    tiles = LandmarkTiles.plan((chunk,), window, q.device)
-    landmark_accumulate_tiles(q, kv_cache, block_table_row.view(1, -1), tiles, state, scale,
-                              window=window, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
 
 
 def landmark_tables(
@@ -203,12 +183,7 @@ def landmark_tables(
         (t.view(1, -1) >= lens.view(-1, 1)).unsqueeze(-1), ref.NEG_INF)
     for size in chunk_sizes:
         n = max(0, -(-(longest - sink) // size))
-        padded = torch.full((len(rows), n * size, h), ref.NEG_INF, device=device)
-        m = max(0, min(longest - sink, n * size))
-        padded[:, :m] = means[:, sink : sink + m]
-        best = padded.view(len(rows), n, size, h).argmax(2)
-        starts = sink + size * torch.arange(n, device=device).view(1, -1, 1)
         table = torch.zeros(block_table.shape[0], n, h, dtype=torch.int32, device=device)
-        table[row_ids] = (starts + best).to(torch.int32)
+        table[row_ids] = ref.landmark_table(means, sink, size, n)
         out[size] = table
     return out

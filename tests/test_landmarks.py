@@ -71,6 +71,11 @@ def test_the_aligned_table_picks_each_chunks_representative():
         for h in range(2):
             want = lo + int(landmarks[lo:hi, h].argmax()) if lo < 100 else lo
             assert int(table[j, h]) == want, (j, h)
+    # a batch of requests (the kernels' tables): each row as it alone
+    other = torch.randn(100, 2, generator=g)
+    both = ref.landmark_table(torch.stack([landmarks, other]), sink=4, chunk_size=16, n_chunks=7)
+    assert torch.equal(both[0], table)
+    assert torch.equal(both[1], ref.landmark_table(other, sink=4, chunk_size=16, n_chunks=7))
 
 
 def test_a_representative_is_its_chunks_best_scored_key_in_each_head():

@@ -36,6 +36,16 @@ def _interpreter_env():
 PAGE = 16
 
 
+def accumulate(q, cache, table_row, q_start, state, scale, **kw):
+    """One request's chunk through the kernel: its tiles planned, one launch."""
+    from vllm_infinitehip.kernels.query_blocks import LandmarkTiles, RequestPart
+
+    chunk = RequestPart(0, 0, q.shape[0], q_start, q_start + q.shape[0])
+    window = kw.setdefault("window", ref.LANDMARK_WINDOW)
+    tiles = LandmarkTiles.plan((chunk,), window, q.device)
+    tlm.landmark_accumulate_tiles(q, cache, table_row.view(1, -1), tiles, state, scale, **kw)
+
+
 def paged_prompt(seed: int, t: int, hq: int, hkv: int, d: int, fp8: bool = False):
     """Queries and keys of one prompt, the keys in a paged cache on shuffled pages."""
     g = torch.Generator().manual_seed(seed)
@@ -68,7 +78,7 @@ def test_chunks_added_by_the_kernel_equal_the_reference_and_one_call(per_group, 
     want = torch.zeros_like(state)
     scales = dict(k_scale=1.0, v_scale=1.0) if fp8 else {}
     for lo, hi in ((0, 40), (40, 41), (41, 150)):
-        tlm.landmark_accumulate(q[lo:hi], cache, table, lo, state, 0.3, window=window, **scales)
+        accumulate(q[lo:hi], cache, table, lo, state, 0.3, window=window, **scales)
         ref.landmark_accumulate_paged(q[lo:hi], cache, table, lo, want, 0.3, window=window,
                                        **scales)  # fmt: skip
     torch.testing.assert_close(state, want, rtol=1e-5, atol=1e-4)
@@ -118,4 +128,4 @@ def test_one_launch_over_a_steps_chunks_equals_the_reference_chunk_by_chunk():
 def test_a_bad_state_is_refused():
     q, _, cache, table = paged_prompt(1, 20, 4, 2, 16)
     with pytest.raises(ValueError, match="landmark state"):
-        tlm.landmark_accumulate(q, cache, table, 0, torch.zeros(cache.shape[0], PAGE, 4), 0.3)
+        accumulate(q, cache, table, 0, torch.zeros(cache.shape[0], PAGE, 4), 0.3)
