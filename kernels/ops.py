@@ -175,8 +175,14 @@ class ReferenceOps:
             req, positions = _part_request(p, kv_cache, block_table, k_scale, v_scale, split)
             scores = None
             if landmarks is not None:
-                scores = ref.landmark_means_paged(landmarks, block_table[p.row], p.seq_len,
-                                              q.shape[1] // (landmarks.shape[2] - 1))  # fmt: skip
+                # a chunk's body and tail parts read one request's scores: gathered once
+                key = ("landmark_means", p.row, p.seq_len)
+                scores = None if shared is None else shared.get(key)
+                if scores is None:
+                    scores = ref.landmark_means_paged(landmarks, block_table[p.row], p.seq_len,
+                                                      q.shape[1] // (landmarks.shape[2] - 1))
+                    if shared is not None:
+                        shared[key] = scores
             results.append(self.prune(params, req, q[p.q_lo : p.q_hi], positions, scale,
                                       scores))  # fmt: skip
         width = max((r.block_starts.shape[1] for r in results), default=0)

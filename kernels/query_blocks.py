@@ -102,6 +102,17 @@ class QueryBlocks:
                    torch.full_like(offs, seq_len), torch.full_like(offs, end),
                    max_seq_len=seq_len)  # fmt: skip
 
+    def row_lengths(self, num_rows: int, capacity: int) -> dict[int, int]:
+        """Block-table row -> the longest request length its parts reach. Without the parts
+        (host ints), each of ``num_rows`` rows up to the blocks' longest request, or up to
+        ``capacity`` where that is unknown (a decode refresh resuming)."""
+        if not self.parts:
+            return dict.fromkeys(range(num_rows), self.max_seq_len or capacity)
+        lengths: dict[int, int] = {}
+        for part in self.parts:
+            lengths[part.row] = max(lengths.get(part.row, 0), part.seq_len)
+        return lengths
+
     def refine(self, block_size_q: int) -> QueryBlocks:
         """The same queries in blocks of ``block_size_q`` (a divisor of this one): block ``b``
         becomes blocks ``b * f .. b * f + f - 1`` (``f`` the ratio), empty ones included."""

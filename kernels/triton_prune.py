@@ -737,14 +737,7 @@ def unrotated_key_pages(
     Row ``r`` is covered up to the longest ``seq_len`` of its parts; nothing past it is
     probed."""
     page = kv_cache.shape[2]
-    # without parts: every row, up to the blocks' longest request (unknown when resuming a
-    # decode refresh: then the table's capacity)
-    longest = blocks.max_seq_len or block_table.shape[1] * page
-    lengths = dict.fromkeys(range(block_table.shape[0]), longest)
-    if blocks.parts:
-        lengths = {}
-        for part in blocks.parts:
-            lengths[part.row] = max(lengths.get(part.row, 0), part.seq_len)
+    lengths = blocks.row_lengths(block_table.shape[0], block_table.shape[1] * page)
     fp8 = ref.is_fp8_cache(kv_cache)
     dtype = torch.bfloat16 if fp8 else kv_cache.dtype
     if precision in ("fp32", "ieee"):
@@ -902,13 +895,10 @@ def run_stages_blocks(
     n_stages = len(params.stages)
     rep_tables: dict[int, torch.Tensor] = {}
     if landmarks is not None:
-        # each request's length; without the parts every row up to the longest (chunks past a
+        # each request's length (without the parts every row up to the longest: chunks past a
         # row's own length are invalid candidates of its blocks)
-        lengths = dict.fromkeys(range(block_table.shape[0]), blocks.max_seq_len)
-        if blocks.parts:
-            lengths = {}
-            for part in blocks.parts:
-                lengths[part.row] = max(lengths.get(part.row, 0), part.seq_len)
+        lengths = blocks.row_lengths(block_table.shape[0],
+                                     block_table.shape[1] * kv_cache.shape[2])  # fmt: skip
         sizes = [st.chunk_size for j, st in enumerate(params.stages)
                  if j >= start_stage and not (params.exact_last_stage and j == n_stages - 1)]
         # the body and tail calls of one layer read the same requests: tables made once

@@ -588,11 +588,13 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         # with the host tier: (row, length), dense part, sparse parts of each staged chunk
         staged: list[tuple[tuple[int, int], list[RequestPart], list[tuple[str, RequestPart]]]] = []
         context = 0
+        chunks: list[RequestPart] = []  # each whole, at its block-table row
         for i in range(first, len(seq_lens)):
             lo, hi, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
             n = hi - lo
             if n == 0:
                 continue
+            chunks.append(RequestPart(i, lo, hi, seq_len - n, seq_len))
             dense_chunk = seq_len <= self.plan.prefill_threshold
             stage = stages_chunk(self.plan, n, bq, dense_chunk)
             row = 0 if stage else i
@@ -622,10 +624,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         batches += [self._prefill_batch(d, p, key) for key, d, p in staged]
         landmarks = None
         if self.plan.landmarks is not None:
-            chunks = tuple(RequestPart(i, qsl[i], qsl[i + 1], seq_lens[i] - qsl[i + 1] + qsl[i],
-                                       seq_lens[i])
-                           for i in range(first, len(seq_lens)) if qsl[i + 1] > qsl[i])  # fmt: skip
-            landmarks = LandmarkTiles.plan(chunks, config.landmark_window, self.device)
+            landmarks = LandmarkTiles.plan(tuple(chunks), config.landmark_window, self.device)
         return PrefillPlan(tuple(batches), context, landmarks)
 
     def _prefill_batch(

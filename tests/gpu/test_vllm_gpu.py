@@ -113,11 +113,16 @@ def test_prefill_chunks_of_several_requests_in_one_step_equal_each_alone(generat
     sparse ones): one dense call and one cascade and attention launch per kind of part for all
     of them, with CUDA graphs on. Each must produce the tokens it produces alone (one engine:
     the batch, then each prompt). CPU twin: tests/test_vllm_cpu.py (a batch of four)."""
-    hip = {**SMALL, "prefill_dense_threshold": 1200}
+    assert_a_batch_equals_each_prompt_alone(
+        generate, {**SMALL, "prefill_dense_threshold": 1200}, max_num_batched_tokens=8192)
+
+
+def assert_a_batch_equals_each_prompt_alone(generate, hip: dict, **engine) -> None:
+    """Two sparse prompts and a dense one between them, with CUDA graphs on, in one engine:
+    the batch, then each prompt alone; both kinds of prefill ran and the tokens agree."""
     prompts = [PROMPTS[0], "class A:\n    pass\n" * 60, PROMPTS[1]]
-    engine = {**GRAPHS, "max_num_batched_tokens": 8192, "additional_config": {"infinitehip": hip}}
-    out = generate("infinitehip", engine, max_tokens=12, prompts=prompts,
-                   batch_then_alone=True)  # fmt: skip
+    out = generate("infinitehip", {**GRAPHS, **engine, "additional_config": {"infinitehip": hip}},
+                   max_tokens=12, prompts=prompts, batch_then_alone=True)  # fmt: skip
     stats = out["report"]["stats"]
     assert stats["sparse_prefill_queries"] > 0 and stats["dense_queries"] > 0
     tokens = out["tokens"]
@@ -132,15 +137,8 @@ def test_landmark_representatives_in_a_batch_equal_each_prompt_alone(generate):
     of every chunk, whatever the representatives). CPU twin: tests/test_vllm_cpu.py."""
     hip = {**SMALL, "prefill_representatives": "landmark", "prefill_tail_window": None,
            "prefill_dense_threshold": 1200}
-    prompts = [PROMPTS[0], "class A:\n    pass\n" * 60, PROMPTS[1]]
-    engine = {**GRAPHS, "max_num_batched_tokens": 2048, "enable_prefix_caching": False,
-              "additional_config": {"infinitehip": hip}}  # fmt: skip
-    out = generate("infinitehip", engine, max_tokens=12, prompts=prompts,
-                   batch_then_alone=True)  # fmt: skip
-    stats = out["report"]["stats"]
-    assert stats["sparse_prefill_queries"] > 0 and stats["dense_queries"] > 0
-    tokens = out["tokens"]
-    assert tokens[:3] == tokens[3:]
+    assert_a_batch_equals_each_prompt_alone(generate, hip, max_num_batched_tokens=2048,
+                                            enable_prefix_caching=False)  # fmt: skip
 
 
 def test_dense_prefill_through_flash_attention_equals_the_dense_backend(generate):
