@@ -80,15 +80,21 @@ def decode_read_pages(
 
 class Bank:
     """Page copies ``[layers, slots + 1, *page]`` (the last slot takes padding writes), their
-    :class:`PageCache`, and device counters (:data:`COUNTER_NAMES`)."""
+    :class:`PageCache`, and device counters (:data:`COUNTER_NAMES`). ``pages``: where the slots
+    live when they are part of other memory (the split layout's V pages,
+    :class:`~.split_kv.SplitKV`); by default a tensor of their own."""
 
     def __init__(
         self, layers: int, num_pages: int, num_slots: int, page_shape: tuple[int, ...],
-        dtype: torch.dtype, device: torch.device,
-    ) -> None:
+        dtype: torch.dtype, device: torch.device, pages: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
         self.cache = PageCache(layers, num_pages, num_slots, device)
-        self.pages = torch.zeros(layers, num_slots + 1, *page_shape, dtype=dtype, device=device)
-        self.page_size = page_shape[1]  # [2, block_size, H, D]
+        shape = (layers, num_slots + 1, *page_shape)
+        if pages is not None and (tuple(pages.shape) != shape or pages.dtype != dtype):
+            raise ValueError(f"bank pages must be {shape} {dtype}, got {tuple(pages.shape)} "
+                             f"{pages.dtype}")  # fmt: skip
+        self.pages = torch.zeros(shape, dtype=dtype, device=device) if pages is None else pages
+        self.page_size = page_shape[-3]  # [2, block_size, H, D], or V alone [block_size, H, D]
         self.counters = torch.zeros(len(COUNTER_NAMES), dtype=torch.int64, device=device)
 
     @classmethod

@@ -63,15 +63,16 @@ def test_gpu_tier_refuses_what_does_not_fit_naming_the_field():
 
 def test_split_layout_sizes_gpu_plus_host_and_names_the_field_that_does_not_fit():
     """Llama-3-8B fp8 blocks (1 MiB of K and V over 32 layers): 116 GiB on the GPU and 100 on
-    the host hold 216 GiB of KV; ``gpu_gib`` caps the GPU side, which holds every block's K."""
-    split = OffloadConfig(enabled=True, layout="split", host_gib=100)
+    the host hold 216 GiB of KV; ``gpu_gib`` caps the GPU side, which holds every block's K.
+    (No V bank here: ``bank_gib`` 0; the next test sizes one.)"""
+    split = OffloadConfig(enabled=True, layout="split", host_gib=100, bank_gib=0)
     mib = 1 << 20
     tier = size_split_tier(split, device_budget=116 * GIB, available_host=128 * GIB,
                            block_bytes=mib, min_gpu_pages=1024)  # fmt: skip
     assert tier.layout == "split" and tier.num_blocks == 216 * 1024
     assert tier.host_bytes == (tier.num_blocks - tier.gpu_pages) * mib // 2 <= 100 * GIB
     capped = size_split_tier(OffloadConfig(enabled=True, layout="split", host_gib=100,
-                                           gpu_gib=40), device_budget=116 * GIB,
+                                           gpu_gib=40, bank_gib=0), device_budget=116 * GIB,
                              available_host=128 * GIB, block_bytes=mib,
                              min_gpu_pages=1024)  # fmt: skip
     # K of every block must fit the 40 GiB: K alone caps it, V of one step's blocks beside it
@@ -94,6 +95,33 @@ def test_split_layout_sizes_gpu_plus_host_and_names_the_field_that_does_not_fit(
     assert 0 <= 116 * GIB - used < mib + extra  # within the GPU, and no room for one block more
 
 
+def test_split_layout_v_bank_comes_out_of_the_gpu_v_homes():
+    """The V bank of the split layout: a sixteenth of the GPU's KV memory by default, or
+    ``bank_gib``; its pages leave the GPU's V homes, so everything still fits the GPU, and a
+    bank larger than the GPU's KV memory names the field."""
+    mib = 1 << 20
+    sizes = dict(device_budget=116 * GIB, available_host=128 * GIB, block_bytes=mib,
+                 min_gpu_pages=1024)  # fmt: skip
+    plain = size_split_tier(OffloadConfig(enabled=True, layout="split", host_gib=100,
+                                          bank_gib=0), **sizes)  # fmt: skip
+    assert plain.bank_pages == plain.bank_bytes == 0
+    for bank_gib, pages in ((None, 116 * GIB // 16 // (mib // 2)), (2.0, 2 * 2048)):
+        tier = size_split_tier(OffloadConfig(enabled=True, layout="split", host_gib=100,
+                                             bank_gib=bank_gib), **sizes)  # fmt: skip
+        assert tier.bank_pages == pages and tier.bank_bytes == pages * mib // 2
+        used = (tier.num_blocks * mib // 2 + tier.gpu_pages * mib // 2
+                + tier.bank_pages * mib // 2)  # fmt: skip
+        assert 0 <= 116 * GIB - used < mib  # within the GPU, no room for one block more
+        assert tier.gpu_pages < plain.gpu_pages and tier.num_blocks <= plain.num_blocks
+        assert tier.host_bytes == (tier.num_blocks - tier.gpu_pages) * mib // 2 <= 100 * GIB
+    with pytest.raises(InfiniteHiPConfigError, match=r"`infinitehip\.offload\.bank_gib`=200"):
+        size_split_tier(OffloadConfig(enabled=True, layout="split", bank_gib=200), **sizes)
+    # at most one copy per host page: a bank as large as the GPU leaves the GPU its homes' share
+    huge = size_split_tier(OffloadConfig(enabled=True, layout="split", host_gib=100,
+                                         bank_gib=115), **sizes)  # fmt: skip
+    assert huge.bank_pages <= plain.num_blocks - plain.gpu_pages and huge.gpu_pages >= 1024
+
+
 def test_offload_layout_parses_and_bad_values_name_the_field():
     from vllm_infinitehip.config import InfiniteHiPConfig
 
@@ -103,6 +131,13 @@ def test_offload_layout_parses_and_bad_values_name_the_field():
         InfiniteHiPConfig.from_user({"offload": {"layout": "ram"}})
     with pytest.raises(InfiniteHiPConfigError, match=r"`infinitehip\.offload\.gpu_gib` sizes"):
         InfiniteHiPConfig.from_user({"offload": {"gpu_gib": 8}})
+    # the split layout's V bank may be off; the host layout's bank is the tier's cache
+    off = InfiniteHiPConfig.from_user({"offload": {"layout": "split", "bank_gib": 0}})
+    assert off.offload.bank_gib == 0.0
+    with pytest.raises(InfiniteHiPConfigError, match=r"`infinitehip\.offload\.bank_gib`=0 must"):
+        InfiniteHiPConfig.from_user({"offload": {"bank_gib": 0}})
+    with pytest.raises(InfiniteHiPConfigError, match=r"bank_gib`=-1 must be a number of GiB, 0"):
+        InfiniteHiPConfig.from_user({"offload": {"layout": "split", "bank_gib": -1}})
 
 
 def test_key_row_share_parses_and_bad_values_name_the_field():

@@ -24,12 +24,19 @@ def test_blocks_start_on_the_gpu_in_order_and_the_tables_say_so():
     assert plane.shape == (10, 1, PAGE, H, D) and split.v_host.shape == (6, PAGE, H, D)
 
 
+@pytest.mark.parametrize("bank_slots", [0, 5])
 @pytest.mark.parametrize("seed", range(3))
-def test_random_traffic_reads_back_what_the_whole_cache_holds(seed):
+def test_random_traffic_reads_back_what_the_whole_cache_holds(seed, bank_slots):
+    """With a V bank, every step also promotes some host-homed blocks per layer (as decode
+    reads would) and rewrites tokens of blocks anywhere: a copy must follow its home."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     n, gpu_pages = 24, 8
-    kv = SplitKV(LAYERS, n, gpu_pages, (PAGE, H, D), torch.float32, torch.device("cpu"))
+    kv = SplitKV(LAYERS, n, gpu_pages, (PAGE, H, D), torch.float32, torch.device("cpu"),
+                 bank_slots=bank_slots)  # fmt: skip
+    if bank_slots:
+        kv.bank.allocate_plan(8, 0)
+    copies_read = 0
     whole = torch.zeros(LAYERS, n, 2, PAGE, H, D)
     held: dict[str, list[int]] = {}
     free_lru = list(range(n))
@@ -64,6 +71,26 @@ def test_random_traffic_reads_back_what_the_whole_cache_holds(seed):
             src, dst = rng.sample(sorted(written), 2)
             kv.copy_blocks([src], [dst])
             whole[:, dst] = whole[:, src]
+        if bank_slots and written:
+            # each layer reads a few blocks (some host-homed), one row, all promoted
+            pages = torch.tensor([[rng.choice(sorted(written)) for _ in range(8)]
+                                  for _ in range(LAYERS)]).view(LAYERS, 1, 8)  # fmt: skip
+            pages[:, :, -1] = -1  # padding
+            kv.plan_reads(pages, torch.tensor([True]), torch.tensor([rng.random() < 0.5]), 8)
+            on_host = kv.home < 0
+            copies = (kv.table >= gpu_pages) & on_host
+            copies_read += int(copies.sum())
+            # a layer's table holds a copy only of a host-homed block it promoted and kept
+            assert not ((kv.table >= gpu_pages) & ~on_host).any()
+            assert torch.equal(kv.table[:, ~on_host], kv.home[~on_host].expand(LAYERS, -1))
+            # a decode write lands in a block anywhere (home and copy alike)
+            b = rng.choice(sorted(written))
+            slots = torch.tensor([b * PAGE + rng.randrange(PAGE)])
+            for layer in range(LAYERS):
+                key, value = torch.randn(2, 1, H, D, generator=gen)
+                plane, split = kv.layer(layer)
+                ref.write_paged_kv(plane, key, value, slots, split=split)
+                ref.write_paged_kv(whole[layer], key, value, slots)
         # every block, live or freed (the prefix cache may hit it), reads what was written
         blocks = torch.arange(n)
         for layer in range(LAYERS):
@@ -72,6 +99,10 @@ def test_random_traffic_reads_back_what_the_whole_cache_holds(seed):
             want_k, want_v = ref.gather_paged_kv(whole[layer], blocks, n * PAGE)
             assert torch.equal(k, want_k) and torch.equal(v, want_v), (step, layer)
     assert kv.spilled_blocks > 30
+    if bank_slots:  # the copies were read, and the bank counted host-homed reads
+        stats = kv.bank.stats()
+        assert copies_read > 100 and stats["filled_pages"] > 20
+        assert stats["attn_bank_pages_refresh"] + stats["attn_bank_pages_reuse"] > 0
 
 
 def test_the_split_layout_stages_only_dense_prefill_chunks():

@@ -426,12 +426,24 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         plan = self.plan
         tier = host_tier.current()
         if tier is not None and tier.layout == "split":
-            self._setup_split(vllm_config, spec, layer_names, device, tier)
+            self._setup_split(vllm_config, spec, layer_names, params, device, tier)
             return
         plan.bank, plan.key_rows, plan.staging = _make_bank(
             self.config, vllm_config, spec, len(layer_names), device
         )
         plan.bank_layers = {name: i for i, name in enumerate(layer_names)}
+        per_row = self._setup_read_plan(layer_names, params, spec.block_size)
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        plan.bank.allocate_plan(vllm_config.scheduler_config.max_num_seqs * per_row, max_tokens)
+        if plan.key_rows is not None:
+            plan.key_rows.allocate_plan(max_tokens)
+
+    def _setup_read_plan(
+        self, layer_names: list[str], params: ref.PruneParams, page: int
+    ) -> int:
+        """Every layer's final masks in one tensor, so that a step lists the pages all layers'
+        decode rows read at once (:func:`decode_read_pages`); returns the pages a row lists."""
+        plan = self.plan
         self._final_all = torch.stack([plan.masks[n].final for n in layer_names])
         self._counts_all = torch.stack([plan.masks[n].counts for n in layer_names])
         for i, name in enumerate(layer_names):
@@ -439,26 +451,21 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
                 plan.masks[name], final=self._final_all[i], counts=self._counts_all[i]
             )
         self._tier_window = (params.sink_tokens, params.window_tokens)
-        n_stages = len(params.stages)
-        self._n_stages = n_stages
-        page = spec.block_size
+        self._n_stages = len(params.stages)
         per_row = -(-params.sink_tokens // page) + (-(-params.window_tokens // page) + 1)
         # blocks read past their end may reach the next page: one more page per block
         per_row += self._final_all.shape[2] * (2 if params.extend_reused_blocks else 1)
         self._tier_pages_per_row = per_row
         self._tier_params = params
-        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        plan.bank.allocate_plan(vllm_config.scheduler_config.max_num_seqs * per_row, max_tokens)
-        if plan.key_rows is not None:
-            plan.key_rows.allocate_plan(max_tokens)
+        return per_row
 
     def _setup_split(
         self, vllm_config: VllmConfig, spec: AttentionSpec, layer_names: list[str],
-        device: torch.device, tier: host_tier.HostTier,
+        params: ref.PruneParams, device: torch.device, tier: host_tier.HostTier,
     ) -> None:  # fmt: skip
-        """This group's KV in the split layout (every layer's K plane and V pages, sized by the
-        worker), registered with the tier for the worker's placement; on a GPU, the staging
-        that dense prefill chunks read whole pages from."""
+        """This group's KV in the split layout (every layer's K plane and V pages, and the V
+        bank, sized by the worker), registered with the tier for the worker's placement; on a
+        GPU, the staging that dense prefill chunks read whole pages from."""
         num_blocks = vllm_config.cache_config.num_gpu_blocks
         if num_blocks != tier.num_blocks:
             raise RuntimeError(f"vLLM made {num_blocks} KV blocks; the split layout sized "
@@ -466,9 +473,14 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         page_shape = (spec.block_size, spec.num_kv_heads, spec.head_size)
         host_alloc = tier.host_alloc if device.type == "cuda" else None
         self.plan.split = SplitKV(len(layer_names), num_blocks, tier.gpu_pages, page_shape,
-                                  spec.dtype, device, host_alloc=host_alloc)  # fmt: skip
+                                  spec.dtype, device, host_alloc=host_alloc,
+                                  bank_slots=tier.bank_pages)  # fmt: skip
         tier.register_split(self.plan.split)
         self.plan.bank_layers = {name: i for i, name in enumerate(layer_names)}
+        if self.plan.split.bank is not None:
+            per_row = self._setup_read_plan(layer_names, params, spec.block_size)
+            max_rows = vllm_config.scheduler_config.max_num_seqs
+            self.plan.split.bank.allocate_plan(max_rows * per_row, 0)
         if device.type == "cuda":
             max_pages = split_staging_pages(self.config, vllm_config, device, spec.block_size)
             self.plan.staging = PrefillStaging(max_pages, (2, *page_shape), spec.dtype, device)
@@ -488,23 +500,30 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             return
         self.plan.bank_fill_entries = num_decodes * self._tier_pages_per_row
         if num_decodes:
-            slots = self._row_slots[:num_decodes]
-            levels = self._row_levels[:num_decodes]
-            extension = dec.block_extension(self._tier_params, self._row_stale[:num_decodes])
-            block_ends = None if extension is None else self._tier_params.block_size_k + extension
-            pages = decode_read_pages(
-                m.block_table_tensor[:num_decodes], self._row_seq_lens[:num_decodes], slots,
-                self._final_all, self._counts_all[:, :, -1], *self._tier_window, self.block_size,
-                block_ends,
-            )  # fmt: skip
-            # a row at level 0 is new (its slot's masks are a former owner's) or reruns every
-            # stage; the others' masks are the last step's, exactly what they will read
-            promote = (slots >= 0) & (levels > 0)
-            refreshing = (levels >= 0) & (levels < self._n_stages)
-            bank.plan_promotion(pages, promote, refreshing)
+            bank.plan_promotion(*self._decode_reads(m, num_decodes))
         else:  # a graph that captured a layer's copy must find nothing stale to copy
             bank.clear_fills()
         bank.plan_writes(m.slot_mapping[: m.num_actual_tokens])
+
+    def _decode_reads(
+        self, m: CommonAttentionMetadata, num_decodes: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pages ``[L, B, P]`` every layer's decode rows read (:func:`decode_read_pages`),
+        the rows to promote them for, and the rows that refresh this step."""
+        slots = self._row_slots[:num_decodes]
+        levels = self._row_levels[:num_decodes]
+        extension = dec.block_extension(self._tier_params, self._row_stale[:num_decodes])
+        block_ends = None if extension is None else self._tier_params.block_size_k + extension
+        pages = decode_read_pages(
+            m.block_table_tensor[:num_decodes], self._row_seq_lens[:num_decodes], slots,
+            self._final_all, self._counts_all[:, :, -1], *self._tier_window, self.block_size,
+            block_ends,
+        )  # fmt: skip
+        # a row at level 0 is new (its slot's masks are a former owner's) or reruns every
+        # stage; the others' masks are the last step's, exactly what they will read
+        promote = (slots >= 0) & (levels > 0)
+        refreshing = (levels >= 0) & (levels < self._n_stages)
+        return pages, promote, refreshing
 
     def build_for_cudagraph_capture(
         self, common_attn_metadata: CommonAttentionMetadata
@@ -565,6 +584,12 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             slots.release_all()
         if self.plan.bank is not None:
             self._plan_tier(m, num_decodes, capture)
+        split = self.plan.split
+        if split is not None and split.bank is not None and num_decodes and not capture:
+            # the split layout's V bank: copies enqueued before the step's forward (its graph
+            # reads V through the tables, whatever they point at)
+            split.plan_reads(*self._decode_reads(m, num_decodes),
+                             fill_entries=num_decodes * self._tier_pages_per_row)  # fmt: skip
         return InfiniteHiPMetadata(
             num_actual_tokens=m.num_actual_tokens,
             block_table=m.block_table_tensor,

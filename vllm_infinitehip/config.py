@@ -99,7 +99,10 @@ class OffloadConfig:
     - ``layout``: ``"host"`` (the above) or ``"split"``: capacity is GPU plus host memory,
       every block's K stays on the GPU and its V lives on the GPU first and moves to the host
       only past what the GPU holds (``block_manager.split_kv``). ``host_gib`` is then the host
-      memory for V pages, ``bank_gib`` and ``key_row_share`` do not apply.
+      memory for V pages, and ``bank_gib`` the GPU memory of a bank of copies of the host-homed
+      V pages decode reads, taken from the GPU's V homes when V spills (``None``: a sixteenth
+      of the GPU's KV memory; 0: no bank, decode reads host-homed V over the bus at every
+      step). ``key_row_share`` does not apply.
     - ``gpu_gib`` (``"split"``): GPU memory for KV, K of every block and the V pages homed
       there. ``None``: what vLLM's profiling leaves for KV.
     """
@@ -629,23 +632,27 @@ def _offload(raw: Any) -> OffloadConfig:
     enabled = raw.get("enabled", True)
     if not isinstance(enabled, bool):
         raise InfiniteHiPConfigError(f"`{where}.enabled`={enabled!r} must be true or false")
+    layout = raw.get("layout", OffloadConfig.layout)
+    if layout not in OFFLOAD_LAYOUTS:
+        raise InfiniteHiPConfigError(
+            f"`{where}.layout`={layout!r} must be one of {', '.join(map(repr, OFFLOAD_LAYOUTS))}"
+        )
     sizes: dict[str, float | None] = {}
     for name in ("host_gib", "bank_gib", "gpu_gib"):
         v = raw.get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+        # the split layout's V bank is optional: 0 turns it off
+        zero_ok = name == "bank_gib" and layout == "split"
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or v < 0 or (v == 0 and not zero_ok)):  # fmt: skip
+            least = "a number of GiB, 0 or more" if zero_ok else "a positive number of GiB"
             raise InfiniteHiPConfigError(
-                f"`{where}.{name}`={v!r} must be a positive number of GiB (or null: automatic)"
+                f"`{where}.{name}`={v!r} must be {least} (or null: automatic)"
             )
         sizes[name] = None if v is None else float(v)
     share = raw.get("key_row_share", OffloadConfig.key_row_share)
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
         raise InfiniteHiPConfigError(
             f"`{where}.key_row_share`={share!r} must be a number between 0 and 1 (exclusive)"
-        )
-    layout = raw.get("layout", OffloadConfig.layout)
-    if layout not in OFFLOAD_LAYOUTS:
-        raise InfiniteHiPConfigError(
-            f"`{where}.layout`={layout!r} must be one of {', '.join(map(repr, OFFLOAD_LAYOUTS))}"
         )
     if sizes["gpu_gib"] is not None and layout != "split":
         raise InfiniteHiPConfigError(

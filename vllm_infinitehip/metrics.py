@@ -126,7 +126,8 @@ def stats_of_impls(impls: list, reset: bool = False) -> dict[str, Any]:
     tier: dict[str, int] = {}
     for plan, n_layers in plans.values():
         gated += n_layers if plan.scratch.gate is not None else 0
-        for bank in (plan.bank, plan.key_rows):
+        split_bank = plan.split.bank if plan.split is not None else None
+        for bank in (plan.bank, plan.key_rows, split_bank):
             if bank is not None:
                 for key, value in bank.stats(reset=reset).items():
                     tier[key] = tier.get(key, 0) + value

@@ -46,6 +46,11 @@ logger = init_logger(__name__)
 GIB = 1 << 30
 HOST_DEFAULT_SHARE = 0.8  # of the host memory available at startup
 CPU_BANK_DEFAULT_DIVISOR = 8  # on the CPU the bank is host memory too: a small share of the tier
+# The split layout's V bank, of the GPU's KV memory when V spills. A decode row reads about 600
+# pages per layer and step (sink, window, final blocks and their extension); at Llama-3-8B fp8
+# shapes a sixteenth of an H200's KV memory holds some 14K pages per layer, a few refreshes'
+# worth for every row of a batch of a few, and costs a sixteenth of the GPU's V homes.
+SPLIT_BANK_DEFAULT_SHARE = 1 / 16
 
 
 def _gib(nbytes: int) -> str:
@@ -154,18 +159,32 @@ def size_split_tier(
     if offload.gpu_gib is not None:
         gpu_bytes = _within_profiled("gpu_gib", offload.gpu_gib, device_budget)
     half = block_bytes // 2
+    v_block = block_bytes - half
+
+    def capacity(kv_bytes: int):
+        return split_capacity(kv_bytes, host, half + gpu_block_extra, v_block, min_gpu_pages)
+
     try:
-        cap = split_capacity(gpu_bytes, host, half + gpu_block_extra, block_bytes - half,
-                             min_gpu_pages)  # fmt: skip
+        cap = capacity(gpu_bytes)
     except ValueError:
         raise InfiniteHiPConfigError(
             f"`{where}`: the split layout keeps every block's K and the V of one step's new "
             f"blocks ({min_gpu_pages} blocks of {_gib(block_bytes)}) on the GPU, but "
             f"{_gib(gpu_bytes)} is left for KV there (`{where}.gpu_gib`, or vLLM's profiling)"
         ) from None
-    return HostTier(host_bytes=cap.host_pages * (block_bytes - half), bank_bytes=0,
+    bank_pages = 0
+    if cap.host_pages and offload.bank_gib != 0:  # a V bank only where V spills
+        if offload.bank_gib is None:
+            bank_bytes = int(gpu_bytes * SPLIT_BANK_DEFAULT_SHARE)
+        else:
+            bank_bytes = _within_profiled("bank_gib", offload.bank_gib, gpu_bytes)
+        # At most one copy per host page. That also keeps the GPU's minimum: with K and V
+        # halves of a block, G = N h + g h and the bank's (N - g) h leave 2 g h >= g blocks.
+        bank_pages = min(bank_bytes // v_block, cap.host_pages)
+        cap = capacity(gpu_bytes - bank_pages * v_block)
+    return HostTier(host_bytes=cap.host_pages * v_block, bank_bytes=bank_pages * v_block,
                     device_budget=gpu_bytes, layout="split", num_blocks=cap.num_blocks,
-                    gpu_pages=cap.gpu_pages)  # fmt: skip
+                    gpu_pages=cap.gpu_pages, bank_pages=bank_pages)  # fmt: skip
 
 
 class BlockOwners:
@@ -385,9 +404,11 @@ class _HostTierWorker:
         install(tier)
         logger.info(
             "InfiniteHiP split KV: %d blocks (%d tokens); K of all and V of %d on %s (%s), V of "
-            "%d on the host (%s)", tier.num_blocks, tier.num_blocks * block_size, tier.gpu_pages,
-            self.device, _gib(tier.num_blocks * block_bytes // 2 + tier.gpu_pages * block_bytes
-                              // 2), tier.num_blocks - tier.gpu_pages, _gib(tier.host_bytes),
+            "%d on the host (%s); a V bank of %d pages per layer (%s)", tier.num_blocks,
+            tier.num_blocks * block_size, tier.gpu_pages, self.device,
+            _gib(tier.num_blocks * block_bytes // 2 + tier.gpu_pages * block_bytes // 2),
+            tier.num_blocks - tier.gpu_pages, _gib(tier.host_bytes), tier.bank_pages,
+            _gib(tier.bank_bytes),
         )  # fmt: skip
         return tier.num_blocks * block_bytes
 
