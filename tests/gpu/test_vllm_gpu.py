@@ -181,8 +181,10 @@ def test_host_tier_on_and_off_give_the_same_greedy_tokens(generate, bank):
 def test_split_layout_on_and_off_give_the_same_greedy_tokens(generate):
     """The host tier's split layout (``offload.layout`` "split"), CUDA graphs on: K of every
     block on the GPU, V of 36 blocks there and the rest in pinned host memory, read over the bus
-    by decode and sparse prefill and staged for dense chunks. Greedy tokens equal the tier off
-    with the same chunking. CPU twin: tests/test_split_kv_vllm.py."""
+    by decode and sparse prefill and staged for dense chunks, and the V bank's copies of
+    host pages (the default sixteenth of the 5 MiB: 40 pages per layer) read by decode between
+    refreshes. Greedy tokens equal the tier off with the same chunking. CPU twin:
+    tests/test_split_kv_vllm.py."""
     engine = {**GRAPHS, "max_num_batched_tokens": 512}
     off = generate("infinitehip", {**engine, "additional_config": {"infinitehip": SMALL}},
                    max_tokens=24)  # fmt: skip
@@ -194,4 +196,5 @@ def test_split_layout_on_and_off_give_the_same_greedy_tokens(generate):
     stats = on["report"]["stats"]
     assert stats["sparse_decode_queries"] > 0 and stats["sparse_prefill_queries"] > 0
     assert stats["split"]["gpu_pages"] == 36 and stats["split"]["spilled_blocks"] > 0
+    assert stats["tier"]["filled_pages"] > 0 and stats["tier"]["attn_bank_pages_reuse"] > 0
     assert on["tokens"] == off["tokens"]
