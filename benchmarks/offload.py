@@ -26,9 +26,10 @@ replaces it, or with ``--merge`` only the rows it measures), a PNG and a table o
     python benchmarks/offload.py --contexts 1048576 --engines fp8-off fp8-split fp8-split:40
 
 Engines: ``off`` / ``fp8-off`` (the tier off), ``bf16:BANK_GIB`` / ``fp8:BANK_GIB`` (the
-``"host"`` layout, a bank of that size), ``bf16-split`` / ``fp8-split[:GPU_GIB]`` (the
-``"split"`` layout, its GPU side capped at GPU_GIB: the rest of V goes to the host). Each row
-has ``gpu_kv_gib`` / ``host_kv_gib``, where the request's KV is.
+``"host"`` layout, a bank of that size), ``bf16-split`` / ``fp8-split[:GPU_GIB[:BANK_GIB]]``
+(the ``"split"`` layout, its GPU side capped at GPU_GIB: the rest of V goes to the host; its V
+bank of BANK_GIB, 0 for none, by default the config's). Each row has ``gpu_kv_gib`` /
+``host_kv_gib``, where the request's KV is.
 """
 
 from __future__ import annotations
@@ -69,27 +70,31 @@ def kv_bytes_per_token(path: str, kv: str) -> int:
     return 2 * c.num_hidden_layers * kv_heads * head_dim * (1 if kv == "fp8" else 2)
 
 
-def parse_engine(name: str) -> tuple[str, str, float | None]:
-    """``(kv dtype, layout, GiB)``: ``off`` / ``fp8-off`` (tier off: layout ``"off"``),
-    ``bf16:BANK_GIB`` / ``fp8:BANK_GIB`` (the ``"host"`` layout with a bank of that size),
-    ``bf16-split`` / ``fp8-split[:GPU_GIB]`` (the ``"split"`` layout, its GPU side capped)."""
-    kind, _, size = name.partition(":")
+def parse_engine(name: str) -> tuple[str, str, float | None, float | None]:
+    """``(kv dtype, layout, GiB, V bank GiB)``: ``off`` / ``fp8-off`` (tier off: layout
+    ``"off"``), ``bf16:BANK_GIB`` / ``fp8:BANK_GIB`` (the ``"host"`` layout with a bank of that
+    size), ``bf16-split`` / ``fp8-split[:GPU_GIB[:BANK_GIB]]`` (the ``"split"`` layout, its GPU
+    side capped, its V bank sized: ``fp8-split:40:0`` has none; default the config's)."""
+    kind, _, sizes = name.partition(":")
+    size, _, bank = sizes.partition(":")
     gib = float(size) if size else None
     if kind in ("off", "fp8-off"):
-        return ("bf16" if kind == "off" else "fp8"), "off", None
+        return ("bf16" if kind == "off" else "fp8"), "off", None, None
     if kind.endswith("-split"):
-        return kind.removesuffix("-split"), "split", gib
-    return kind, "host", gib
+        return kind.removesuffix("-split"), "split", gib, float(bank) if bank else None
+    return kind, "host", gib, None
 
 
 def spec_for(name: str, max_len: int, host_gib: float) -> dict:
-    kv, layout, gib = parse_engine(name)
+    kv, layout, gib, bank = parse_engine(name)
     kw = engine_spec("3k-fast", max_len)
     if kv == "fp8":
         kw["kv_cache_dtype"] = "fp8"
     if layout != "off":
         hip = dict(kw["additional_config"]["infinitehip"])
         size = {"bank_gib": gib} if layout == "host" else {"gpu_gib": gib}
+        if bank is not None:
+            size["bank_gib"] = bank
         hip["offload"] = {"enabled": True, "layout": layout, "host_gib": host_gib, **size}
         kw["additional_config"] = {"infinitehip": hip}
     return kw
@@ -100,7 +105,7 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
     from vllm import LLM
 
 
-    kv, layout, gib = parse_engine(name)
+    kv, layout, gib, _ = parse_engine(name)
     path = common.resolve_model(model)
     per_token = kv_bytes_per_token(path, kv)
     t_start = time.perf_counter()

@@ -126,21 +126,24 @@ def test_tp_results_join_speed_and_greedy_rows_in_the_issues_shape():
     assert rows[2]["first_divergence"] == 3
 
 
-@pytest.mark.parametrize("name,layout,gib", [
-    ("off", "off", None), ("fp8:32", "host", 32.0), ("fp8-split", "split", None),
-    ("fp8-split:40", "split", 40.0), ("bf16-split", "split", None),
+@pytest.mark.parametrize("name,layout,gib,bank", [
+    ("off", "off", None, None), ("fp8:32", "host", 32.0, 32.0), ("fp8-split", "split", None, None),
+    ("fp8-split:40", "split", 40.0, None), ("bf16-split", "split", None, None),
+    ("fp8-split:40:0", "split", 40.0, 0.0), ("fp8-split:40:4", "split", 40.0, 4.0),
 ])  # fmt: skip
-def test_offload_engines_name_a_layout_the_config_accepts(name, layout, gib):
+def test_offload_engines_name_a_layout_the_config_accepts(name, layout, gib, bank):
     """benchmarks/offload.py's engine names become an offload config that parses, with the
-    size where its layout takes it (the bank of "host", the GPU side of "split")."""
+    size where its layout takes it (the bank of "host", the GPU side of "split" and its V
+    bank)."""
     import offload  # noqa: E402  (benchmarks/offload.py)
 
     from vllm_infinitehip.config import InfiniteHiPConfig
 
-    assert offload.parse_engine(name)[1:] == (layout, gib)
+    assert offload.parse_engine(name)[1:3] == (layout, gib)
     hip = offload.spec_for(name, 1 << 20, 80.0)["additional_config"]["infinitehip"]
     cfg = InfiniteHiPConfig.from_user(hip).offload
     assert cfg.enabled == (layout != "off")
     if layout != "off":
         assert cfg.layout == layout and cfg.host_gib == 80.0
         assert (cfg.bank_gib if layout == "host" else cfg.gpu_gib) == gib
+        assert cfg.bank_gib == bank
