@@ -36,7 +36,8 @@ class HostTier:
     layout: str = "host"
     num_blocks: int = 0
     gpu_pages: int = 0
-    # the split layout's V bank: pages per layer for copies of host-homed V (0: none)
+    # the split layout's V bank: pages per layer for copies of host-homed V (0: none), and
+    # its spare (bank_bytes counts both)
     bank_pages: int = 0
     groups: list = field(default_factory=list)  # SplitKV of each attention group
     # (shape, dtype) -> a tensor in pinned host memory that the GPU reads (the split layout's

@@ -105,12 +105,13 @@ def test_split_layout_v_bank_comes_out_of_the_gpu_v_homes():
     plain = size_split_tier(OffloadConfig(enabled=True, layout="split", host_gib=100,
                                           bank_gib=0), **sizes)  # fmt: skip
     assert plain.bank_pages == plain.bank_bytes == 0
+    # the bank's pages are its slots and one spare
     for bank_gib, pages in ((None, 116 * GIB // 16 // (mib // 2)), (2.0, 2 * 2048)):
         tier = size_split_tier(OffloadConfig(enabled=True, layout="split", host_gib=100,
                                              bank_gib=bank_gib), **sizes)  # fmt: skip
-        assert tier.bank_pages == pages and tier.bank_bytes == pages * mib // 2
+        assert tier.bank_pages == pages - 1 and tier.bank_bytes == pages * mib // 2
         used = (tier.num_blocks * mib // 2 + tier.gpu_pages * mib // 2
-                + tier.bank_pages * mib // 2)  # fmt: skip
+                + tier.bank_bytes)  # fmt: skip
         assert 0 <= 116 * GIB - used < mib  # within the GPU, no room for one block more
         assert tier.gpu_pages < plain.gpu_pages and tier.num_blocks <= plain.num_blocks
         assert tier.host_bytes == (tier.num_blocks - tier.gpu_pages) * mib // 2 <= 100 * GIB
@@ -119,7 +120,11 @@ def test_split_layout_v_bank_comes_out_of_the_gpu_v_homes():
     # at most one copy per host page: a bank as large as the GPU leaves the GPU its homes' share
     huge = size_split_tier(OffloadConfig(enabled=True, layout="split", host_gib=100,
                                          bank_gib=115), **sizes)  # fmt: skip
-    assert huge.bank_pages <= plain.num_blocks - plain.gpu_pages and huge.gpu_pages >= 1024
+    assert huge.bank_pages < plain.num_blocks - plain.gpu_pages and huge.gpu_pages >= 1024
+    # too small for a slot beside its spare: no bank
+    tiny = size_split_tier(OffloadConfig(enabled=True, layout="split", host_gib=100,
+                                         bank_gib=0.0005), **sizes)  # fmt: skip
+    assert tiny.bank_pages == tiny.bank_bytes == 0 and tiny.num_blocks == plain.num_blocks
 
 
 def test_offload_layout_parses_and_bad_values_name_the_field():

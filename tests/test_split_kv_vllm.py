@@ -3,7 +3,7 @@ capacity is GPU plus host memory, every block's K stays on the "GPU" (on the CPU
 side of the layout), V lives there first and moves to the host past what it holds.
 
 The GPU side is sized to hold K for every block but V for only the pages one step may allocate
-(24 of them) and a V bank of 16 pages per layer, so nearly every block's V is spilled to the
+(24 of them) and a V bank of 15 pages per layer, so nearly every block's V is spilled to the
 host while the prompts are read, and decode reads V from both sides and from the bank's copies
 of host pages: greedy tokens must equal the tier off, exactly. A smaller GPU
 side makes vLLM preempt and recompute; finished, aborted and preempted requests leave no block
@@ -23,9 +23,9 @@ pytestmark = pytest.mark.vllm
 
 MIB = 1 << 20
 # the tiny model's blocks: 128 tokens, 2 layers of fp32 K and V, 64 KiB of each per block.
-# 16 MiB hold a V bank of 16 pages (1 MiB), K of 216 blocks and V of 24 (the pages one step
-# may allocate: 2048 tokens in blocks of 128, plus one per request); the rest of V goes to
-# the host
+# 16 MiB hold a V bank of 16 pages (1 MiB: 15 slots per layer and a spare), K of 216 blocks
+# and V of 24 (the pages one step may allocate: 2048 tokens in blocks of 128, plus one per
+# request); the rest of V goes to the host
 SPLIT = {"enabled": True, "layout": "split", "host_gib": 1, "gpu_gib": 16 * MIB / 2**30,
          "bank_gib": MIB / 2**30}
 
@@ -66,9 +66,9 @@ def test_a_batch_with_v_spilled_to_the_host_equals_the_tier_off(split_llm, hip_l
     # the prompts' ~140 blocks went through 24 GPU pages: most V was read from the host, and
     # between refreshes from the bank's copies
     assert state["spilled"] > 100 and state["host_homed"] == 216 - 24
-    # (16 slots against four rows' reads per layer: the copies are reread, and evicted)
+    # (15 slots against four rows' reads per layer: the copies are reread, and evicted)
     tier = split_llm.collective_rpc("infinitehip_stats")[0]["tier"]
-    assert tier["bank_slots"] == 2 * 16 and tier["filled_pages"] > 0
+    assert tier["bank_slots"] == 2 * 15 and tier["filled_pages"] > 0
     assert tier["attn_bank_pages_reuse"] > 0 and tier["promote_hits"] > 0
 
 
@@ -114,8 +114,8 @@ def test_fp8_kv_split_equals_fp8_with_the_tier_off(tiny_model, hip_llm):
             gc.collect()
 
     want, _ = run(None)
-    # fp8 blocks are 16 KiB of K and of V: 4 MiB hold a bank of 16 pages, K of 216 blocks and
-    # V of 24
+    # fp8 blocks are 16 KiB of K and of V: 4 MiB hold the bank's 16 pages, K of 216 blocks
+    # and V of 24
     got, state = run({**SPLIT, "gpu_gib": 4 * MIB / 2**30, "bank_gib": MIB / 4 / 2**30})
     assert (state["num_blocks"], state["gpu_pages"]) == (216, 24) and state["spilled"] > 0
     assert got == want

@@ -178,11 +178,15 @@ def size_split_tier(
             bank_bytes = int(gpu_bytes * SPLIT_BANK_DEFAULT_SHARE)
         else:
             bank_bytes = _within_profiled("bank_gib", offload.bank_gib, gpu_bytes)
-        # At most one copy per host page. That also keeps the GPU's minimum: with K and V
-        # halves of a block, G = N h + g h and the bank's (N - g) h leave 2 g h >= g blocks.
-        bank_pages = min(bank_bytes // v_block, cap.host_pages)
-        cap = capacity(gpu_bytes - bank_pages * v_block)
-    return HostTier(host_bytes=cap.host_pages * v_block, bank_bytes=bank_pages * v_block,
+        # Its pages: the slots and a spare that padding fills land on (SplitKV), at most one
+        # per host page. That also keeps the GPU's minimum: with K and V halves of a block,
+        # G = N h + g h and the bank's (N - g) h leave 2 g h >= g blocks.
+        pages = min(bank_bytes // v_block, cap.host_pages)
+        if pages >= 2:  # one slot at least
+            bank_pages = pages - 1
+            cap = capacity(gpu_bytes - pages * v_block)
+    bank_bytes = (bank_pages + 1) * v_block if bank_pages else 0
+    return HostTier(host_bytes=cap.host_pages * v_block, bank_bytes=bank_bytes,
                     device_budget=gpu_bytes, layout="split", num_blocks=cap.num_blocks,
                     gpu_pages=cap.gpu_pages, bank_pages=bank_pages)  # fmt: skip
 
