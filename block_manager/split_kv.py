@@ -107,7 +107,10 @@ class SplitKV:
         layer's attention reads per row (``bank.decode_read_pages``); ``promote [B]``: rows whose
         masks are what they will read; ``refreshing [B]``: rows that rerun their stages (for
         the counters). Copies the fills (the first ``fill_entries`` of each layer's plan), then
-        points each layer's table at its copies."""
+        points each layer's table at its copies. Until a first spill no block a request can
+        read is homed on the host (new blocks get GPU homes): nothing to do."""
+        if not self.spilled_blocks:
+            return
         bank = self.bank
         valid = pages >= 0
         on_host = valid & (self.home[pages.clamp(min=0).long()] < 0)
