@@ -18,7 +18,12 @@ from typing import Protocol
 import torch
 from vllm_infinitehip.kernels import decode as dec
 from vllm_infinitehip.kernels import reference as ref
-from vllm_infinitehip.kernels.query_blocks import DenseRows, LandmarkTiles, QueryBlocks
+from vllm_infinitehip.kernels.query_blocks import (
+    DenseRows,
+    LandmarkTiles,
+    QueryBlocks,
+    shared_once,
+)
 
 
 @dataclass
@@ -176,13 +181,11 @@ class ReferenceOps:
             scores = None
             if landmarks is not None:
                 # a chunk's body and tail parts read one request's scores: gathered once
-                key = ("landmark_means", p.row, p.seq_len)
-                scores = None if shared is None else shared.get(key)
-                if scores is None:
-                    scores = ref.landmark_means_paged(landmarks, block_table[p.row], p.seq_len,
-                                                      q.shape[1] // (landmarks.shape[2] - 1))
-                    if shared is not None:
-                        shared[key] = scores
+                scores = shared_once(
+                    shared, ("landmark_means", p.row, p.seq_len),
+                    lambda p=p: ref.landmark_means_paged(landmarks, block_table[p.row], p.seq_len,
+                                                         q.shape[1] // (landmarks.shape[2] - 1)),
+                )  # fmt: skip
             results.append(self.prune(params, req, q[p.q_lo : p.q_hi], positions, scale,
                                       scores))  # fmt: skip
         width = max((r.block_starts.shape[1] for r in results), default=0)

@@ -25,6 +25,17 @@ from dataclasses import dataclass, field
 import torch
 
 
+def shared_once(shared: dict | None, key: tuple, make):
+    """``make()``, made once per ``key`` in ``shared``: the dict one layer's calls over a step's
+    query blocks keep what they can reuse in (the body and tail parts of a chunk read the same
+    requests). ``None``: nothing is shared, ``make()`` runs every time."""
+    if shared is None:
+        return make()
+    if key not in shared:
+        shared[key] = make()
+    return shared[key]
+
+
 @dataclass(frozen=True)
 class RequestPart:
     """Queries ``[q_lo, q_hi)`` of the step's query tensor, at positions from ``first_pos``, of

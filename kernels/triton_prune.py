@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import reference as ref
-from .query_blocks import QueryBlocks, pool_block_queries
+from .query_blocks import QueryBlocks, pool_block_queries, shared_once
 from .rope import RopeTable, rotate
 from .triton_bsa import kv_quant_args
 from .triton_landmark import landmark_tables
@@ -872,14 +872,12 @@ def run_stages_blocks(
             ordinals = (params.sink_tokens, params.stages[0].chunk_size)
         if style == "relative" or start_stage == 0:
             rows_key = tuple(sorted({(p.row, p.seq_len) for p in blocks.parts}))
-            key = ("unrotated_key_pages", ordinals, rows_key)
-            if shared is not None and blocks.parts and key in shared:
-                turned_keys = shared[key]
-            else:
-                turned_keys = unrotated_key_pages(kv_cache, block_table, blocks, table, k_scale,
-                                                  ordinals, precision)  # fmt: skip
-                if shared is not None and blocks.parts:
-                    shared[key] = turned_keys
+            # without the parts (host ints) the rows' lengths, and so the key, are unknown
+            turned_keys = shared_once(
+                shared if blocks.parts else None, ("unrotated_key_pages", ordinals, rows_key),
+                lambda: unrotated_key_pages(kv_cache, block_table, blocks, table, k_scale,
+                                            ordinals, precision),
+            )  # fmt: skip
             # every block turns when each part's first (finest) block reaches the threshold;
             # without the parts (host ints) that is unknown, and both launches run
             finest = min(st.block_size_q for st in params.stages[start_stage:])
@@ -902,14 +900,11 @@ def run_stages_blocks(
         sizes = [st.chunk_size for j, st in enumerate(params.stages)
                  if j >= start_stage and not (params.exact_last_stage and j == n_stages - 1)]
         # the body and tail calls of one layer read the same requests: tables made once
-        key = ("landmark_tables", tuple(sizes), tuple(sorted(lengths.items())))
-        if shared is not None and key in shared:
-            rep_tables = shared[key]
-        else:
-            rep_tables = landmark_tables(landmarks, block_table, lengths, params.sink_tokens,
-                                         sizes, hq // (landmarks.shape[2] - 1))  # fmt: skip
-            if shared is not None:
-                shared[key] = rep_tables
+        rep_tables = shared_once(
+            shared, ("landmark_tables", tuple(sizes), tuple(sorted(lengths.items()))),
+            lambda: landmark_tables(landmarks, block_table, lengths, params.sink_tokens, sizes,
+                                    hq // (landmarks.shape[2] - 1)),
+        )  # fmt: skip
     for i in range(start_stage, n_stages):
         st = params.stages[i]
         stage_inputs.append(cand)
