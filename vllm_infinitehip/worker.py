@@ -172,23 +172,22 @@ def size_split_tier(
             f"blocks ({min_gpu_pages} blocks of {_gib(block_bytes)}) on the GPU, but "
             f"{_gib(gpu_bytes)} is left for KV there (`{where}.gpu_gib`, or vLLM's profiling)"
         ) from None
-    bank_pages = 0
+    pages = 0  # the V bank's: its slots and a spare that padding fills land on (SplitKV)
     if cap.host_pages and offload.bank_gib != 0:  # a V bank only where V spills
         if offload.bank_gib is None:
-            bank_bytes = int(gpu_bytes * SPLIT_BANK_DEFAULT_SHARE)
+            wanted = int(gpu_bytes * SPLIT_BANK_DEFAULT_SHARE)
         else:
-            bank_bytes = _within_profiled("bank_gib", offload.bank_gib, gpu_bytes)
-        # Its pages: the slots and a spare that padding fills land on (SplitKV), at most one
-        # per host page. That also keeps the GPU's minimum: with K and V halves of a block,
-        # G = N h + g h and the bank's (N - g) h leave 2 g h >= g blocks.
-        pages = min(bank_bytes // v_block, cap.host_pages)
+            wanted = _within_profiled("bank_gib", offload.bank_gib, gpu_bytes)
+        # At most one page per host page. That also keeps the GPU's minimum: with K and V
+        # halves of a block, G = N h + g h and the bank's (N - g) h leave 2 g h >= g blocks.
+        pages = min(wanted // v_block, cap.host_pages)
         if pages >= 2:  # one slot at least
-            bank_pages = pages - 1
             cap = capacity(gpu_bytes - pages * v_block)
-    bank_bytes = (bank_pages + 1) * v_block if bank_pages else 0
-    return HostTier(host_bytes=cap.host_pages * v_block, bank_bytes=bank_bytes,
+        else:
+            pages = 0
+    return HostTier(host_bytes=cap.host_pages * v_block, bank_bytes=pages * v_block,
                     device_budget=gpu_bytes, layout="split", num_blocks=cap.num_blocks,
-                    gpu_pages=cap.gpu_pages, bank_pages=bank_pages)  # fmt: skip
+                    gpu_pages=cap.gpu_pages, bank_pages=max(pages - 1, 0))  # fmt: skip
 
 
 class BlockOwners:
@@ -360,9 +359,10 @@ class _HostTierWorker:
 
     def determine_available_memory(self) -> int:
         device_budget = super().determine_available_memory()  # type: ignore[misc]
-        offload = InfiniteHiPConfig.from_vllm_config(self.vllm_config).offload
+        config = InfiniteHiPConfig.from_vllm_config(self.vllm_config)
+        offload = config.offload
         if offload.layout == "split":
-            return self._size_split(offload, device_budget)
+            return self._size_split(config, device_budget)
         tier = size_host_tier(
             offload,
             device_budget=device_budget,
@@ -377,7 +377,7 @@ class _HostTierWorker:
         )  # fmt: skip
         return tier.host_bytes
 
-    def _size_split(self, offload: OffloadConfig, device_budget: int) -> int:
+    def _size_split(self, config: InfiniteHiPConfig, device_budget: int) -> int:
         specs = self.get_kv_cache_spec()  # type: ignore[attr-defined]
         block_bytes = sum(spec.page_size_bytes for spec in specs.values())
         block_size = next(iter(specs.values())).block_size
@@ -390,17 +390,16 @@ class _HostTierWorker:
             from vllm_infinitehip.backend import split_staging_pages
 
             layer_page = next(iter(specs.values())).page_size_bytes
-            device_budget -= layer_page * split_staging_pages(
-                InfiniteHiPConfig.from_vllm_config(self.vllm_config), self.vllm_config,
-                self.device, block_size)  # fmt: skip
-        config = InfiniteHiPConfig.from_vllm_config(self.vllm_config)
+            device_budget -= layer_page * split_staging_pages(config, self.vllm_config,
+                                                              self.device, block_size)  # fmt: skip
         landmark_bytes = 0
         if config.prefill_representatives == "landmark":
             # the landmark scores of every slot and layer stay on the GPU (backend._landmark_state)
             landmark_bytes = sum(4 * block_size * (spec.num_kv_heads + 1)
                                  for spec in specs.values())  # fmt: skip
         tier = size_split_tier(
-            offload, device_budget=device_budget, available_host=self._available_host_bytes(),
+            config.offload, device_budget=device_budget,
+            available_host=self._available_host_bytes(),
             block_bytes=block_bytes, min_gpu_pages=min_gpu_pages,
             workers_on_host=self.parallel_config.local_world_size,
             gpu_block_extra=landmark_bytes,
