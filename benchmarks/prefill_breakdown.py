@@ -44,7 +44,7 @@ import common
 from decode_breakdown import kernel_times
 from vllm_infinitehip.kernels import reference as ref
 from vllm_infinitehip.kernels import triton_prune
-from vllm_infinitehip.kernels.query_blocks import LandmarkTiles, RequestPart
+from vllm_infinitehip.kernels.query_blocks import LandmarkTiles
 from vllm_infinitehip.kernels.rope import RopeTable
 from vllm_infinitehip.kernels.triton_bsa import sparse_prefill_attention
 from vllm_infinitehip.kernels.triton_landmark import landmark_accumulate_tiles
@@ -90,13 +90,12 @@ def landmark_layer(t: int, cfg: InfiniteHiPConfig, layer, scale: float):
     kv, table, _, qp = layer
     n, window = qp.shape[0], cfg.landmark_window
     state = torch.zeros(kv.shape[0], kv.shape[2], kv.shape[3] + 1, device="cuda")
-    chunks = [RequestPart(0, 0, min(n, t - n - lo), lo, lo + min(n, t - n - lo))
-              for lo in range(0, t - n, n)]  # fmt: skip
-    for c in chunks:
-        tiles = LandmarkTiles.plan((c,), window, qp.device)
-        landmark_accumulate_tiles(qp[: c.q_hi], kv, table.view(1, -1), tiles, state, scale,
+    for lo in range(0, t - n, n):
+        size = min(n, t - n - lo)
+        tiles = LandmarkTiles.single(size, lo, window, qp.device)
+        landmark_accumulate_tiles(qp[:size], kv, table.view(1, -1), tiles, state, scale,
                                   window=window)  # fmt: skip
-    tiles = LandmarkTiles.plan((RequestPart(0, 0, n, t - n, t),), window, qp.device)
+    tiles = LandmarkTiles.single(n, t - n, window, qp.device)
     before = state.clone()
 
     def add():

@@ -239,3 +239,11 @@ class LandmarkTiles:
                 rows.append((p.row, t0, p.q_lo, p.first_pos, n))
         tiles = torch.tensor(rows, dtype=torch.int32).view(-1, 5)
         return cls(tiles.to(device, non_blocking=True), tuple(chunks))
+
+    @classmethod
+    def single(cls, num_queries: int, first_pos: int, window: int,
+               device: torch.device) -> LandmarkTiles:  # fmt: skip
+        """One request's chunk of ``num_queries`` queries from ``first_pos``, block-table row
+        0, its queries the first of the step's."""
+        chunk = RequestPart(0, 0, num_queries, first_pos, first_pos + num_queries)
+        return cls.plan((chunk,), window, device)

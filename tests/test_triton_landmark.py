@@ -38,11 +38,10 @@ PAGE = 16
 
 def accumulate(q, cache, table_row, q_start, state, scale, **kw):
     """One request's chunk through the kernel: its tiles planned, one launch."""
-    from vllm_infinitehip.kernels.query_blocks import LandmarkTiles, RequestPart
+    from vllm_infinitehip.kernels.query_blocks import LandmarkTiles
 
-    chunk = RequestPart(0, 0, q.shape[0], q_start, q_start + q.shape[0])
     window = kw.setdefault("window", ref.LANDMARK_WINDOW)
-    tiles = LandmarkTiles.plan((chunk,), window, q.device)
+    tiles = LandmarkTiles.single(q.shape[0], q_start, window, q.device)
     tlm.landmark_accumulate_tiles(q, cache, table_row.view(1, -1), tiles, state, scale, **kw)
 
 

@@ -181,9 +181,9 @@ def test_host_tier_on_and_off_give_the_same_greedy_tokens(generate, bank):
 def test_split_layout_on_and_off_give_the_same_greedy_tokens(generate):
     """The host tier's split layout (``offload.layout`` "split"), CUDA graphs on: K of every
     block on the GPU, V of 36 blocks there and the rest in pinned host memory, read over the bus
-    by decode and sparse prefill and staged for dense chunks, and the V bank's copies of
-    host pages (the default sixteenth of the 5 MiB: 39 slots per layer and a spare) read by decode between
-    refreshes. Greedy tokens equal the tier off with the same chunking. CPU twin:
+    by decode and sparse prefill and staged for dense chunks, and the V bank's copies of host
+    pages (the default sixteenth of the 5 MiB: 39 slots per layer and a spare) read by decode
+    between refreshes. Greedy tokens equal the tier off with the same chunking. CPU twin:
     tests/test_split_kv_vllm.py."""
     engine = {**GRAPHS, "max_num_batched_tokens": 512}
     off = generate("infinitehip", {**engine, "additional_config": {"infinitehip": SMALL}},
