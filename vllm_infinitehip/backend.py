@@ -951,7 +951,12 @@ class InfiniteHiPImpl(AttentionImpl):
         slot_mapping: torch.Tensor,
     ) -> None:
         plan = _current_plan(layer.layer_name)
-        if plan is not None and plan.split is not None:
+        if plan is None:
+            # a run without metadata (profiling, a warm-up or capture's dummy batch) attends to
+            # nothing (``forward`` returns zeros), so what it would write is never read; in the
+            # split layout vLLM's tensor is an empty stand-in there is no writing into
+            return
+        if plan.split is not None:
             plane, split = plan.split.layer(plan.bank_layers[layer.layer_name])
             if plane.device.type == "cuda":
                 from vllm_infinitehip.kernels.triton_bank import write_split_kv
@@ -963,7 +968,7 @@ class InfiniteHiPImpl(AttentionImpl):
                                    k_scale=layer._k_scale, v_scale=layer._v_scale)  # fmt: skip
             return
         self._write_kv(layer, key, value, kv_cache, slot_mapping)
-        if plan is not None and plan.bank is not None:
+        if plan.bank is not None:
             plan.bank.layer_work(
                 plan.bank_layers[layer.layer_name], kv_cache, slot_mapping.shape[0],
                 self._copy_pages,
