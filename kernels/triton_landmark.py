@@ -59,6 +59,7 @@ def _landmark_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr,
+    DOT_16BIT: tl.constexpr,
 ):
     tile = tiles_ptr + tl.program_id(0).to(tl.int64) * 5
     column = tl.program_id(1)
@@ -79,9 +80,16 @@ def _landmark_kernel(
     k = tl.load(k_ptr + page[:, None] * stride_kpage + in_page[:, None] * stride_ktok
                 + kv_head * stride_khead + offs_d[None, :] * stride_kd,
                 mask=t_in[:, None] & d_in[None, :], other=0.0)  # fmt: skip
+    logit_scale = scale
     if KV_FP8:
-        k = k.to(tl.float32) * tl.load(k_scale_ptr)
-    k = k.to(tl.float32)
+        logit_scale = scale * tl.load(k_scale_ptr)
+    if DOT_16BIT:
+        # 16-bit queries and keys (e4m3 keys are exact in 16 bits): their products are exact
+        # in fp32, so one tensor-core pass with fp32 accumulation matches the fp32 reference,
+        # and the scales apply to the logits
+        k = k.to(q_ptr.dtype.element_ty)
+    else:
+        k = k.to(tl.float32)
 
     p_lo = tl.maximum(first_t + 1, q_start)
     p_hi = tl.minimum(first_t + BLOCK_T + WINDOW, q_end)  # exclusive
@@ -97,9 +105,11 @@ def _landmark_kernel(
             q = tl.load(q_ptr + q_rows[None, :] * stride_qn + head * stride_qh
                         + offs_d[:, None] * stride_qd,
                         mask=p_in[None, :] & d_in[:, None], other=0.0)  # fmt: skip
-            # tf32x3: fp32-accurate on tensor cores (3 passes); 137 GFLOP per 32K-query chunk and
-            # layer of Llama-3-8B
-            s = tl.dot(k, q.to(tl.float32) * scale, input_precision="tf32x3")  # [BLOCK_T, BLOCK_Q]
+            # 137 GFLOP per 32K-query chunk and layer of Llama-3-8B: [BLOCK_T, BLOCK_Q] logits
+            if DOT_16BIT:
+                s = tl.dot(k, q) * logit_scale
+            else:  # fp32 queries: tf32x3, fp32-accurate on tensor cores (3 passes)
+                s = tl.dot(k, q.to(tl.float32), input_precision="tf32x3") * logit_scale
             acc += tl.sum(tl.where(band, s, 0.0), axis=1)
 
     cell = state_ptr + page * stride_spage + in_page * stride_stok
@@ -146,8 +156,18 @@ def landmark_accumulate_tiles(
         block_table.stride(0) if block_table.dim() == 2 else 0, *state.stride(),
         WINDOW=window, GROUP=hq // hkv, HEADS_PER_COLUMN=hq // h, N_COLUMNS=h,
         PAGE_SIZE=page_size, BLOCK_T=LANDMARK_TILE, BLOCK_Q=64,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), KV_FP8=fp8, num_warps=4,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), KV_FP8=fp8,
+        DOT_16BIT=_dot_16bit(q.dtype, cache.dtype, fp8), num_warps=4,
     )  # fmt: skip
+
+
+def _dot_16bit(q_dtype: torch.dtype, cache_dtype: torch.dtype, fp8: bool) -> bool:
+    """Whether the kernel's logits take one 16-bit tensor-core pass: queries of 16 bits over
+    keys of their dtype or of fp8. Not bf16 under Triton's interpreter, which multiplies bf16
+    ``tl.dot`` operands as raw integers (those take the fp32 path there)."""
+    if q_dtype == torch.bfloat16 and triton.knobs.runtime.interpret:
+        return False
+    return q_dtype in (torch.bfloat16, torch.float16) and (fp8 or cache_dtype == q_dtype)
 
 
 def landmark_tables(

@@ -45,14 +45,16 @@ def accumulate(q, cache, table_row, q_start, state, scale, **kw):
     tlm.landmark_accumulate_tiles(q, cache, table_row.view(1, -1), tiles, state, scale, **kw)
 
 
-def paged_prompt(seed: int, t: int, hq: int, hkv: int, d: int, fp8: bool = False):
-    """Queries and keys of one prompt, the keys in a paged cache on shuffled pages."""
+def paged_prompt(seed: int, t: int, hq: int, hkv: int, d: int, fp8: bool = False,
+                 dtype: torch.dtype = torch.float32):
+    """Queries and keys of one prompt, the keys in a paged cache on shuffled pages; ``dtype``
+    the queries' and the cache's (an fp8 cache's: the queries')."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(t, hq, d, generator=g)
-    k = torch.randn(t, hkv, d, generator=g)
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    k = torch.randn(t, hkv, d, generator=g).to(dtype)
     n_pages = -(-t // PAGE)
     pages = torch.randperm(n_pages + 3, generator=g)[:n_pages]
-    cache = torch.zeros(n_pages + 3, 2, PAGE, hkv, d)
+    cache = torch.zeros(n_pages + 3, 2, PAGE, hkv, d, dtype=dtype)
     for i, p in enumerate(pages.tolist()):
         rows = k[i * PAGE : (i + 1) * PAGE]
         cache[p, 0, : rows.shape[0]] = rows
@@ -69,9 +71,13 @@ def paged_prompt(seed: int, t: int, hq: int, hkv: int, d: int, fp8: bool = False
 
 @pytest.mark.parametrize("per_group", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_chunks_added_by_the_kernel_equal_the_reference_and_one_call(per_group, fp8):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_chunks_added_by_the_kernel_equal_the_reference_and_one_call(per_group, fp8, dtype):
+    """fp32 queries take the kernel's tf32x3 products, 16-bit ones (a model's, over a cache of
+    their dtype or of fp8) one 16-bit pass (fp16 under the interpreter, whose bf16 products
+    are wrong: bf16 takes the fp32 path there): each equals the fp32 reference."""
     t, hq, hkv, d, window = 150, 4, 2, 16, 24
-    q, k, cache, table = paged_prompt(3, t, hq, hkv, d, fp8)
+    q, k, cache, table = paged_prompt(3, t, hq, hkv, d, fp8, dtype)
     h = hkv if per_group else hq
     state = torch.zeros(cache.shape[0], PAGE, h + 1, device=DEVICE)
     want = torch.zeros_like(state)
