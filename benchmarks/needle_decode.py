@@ -14,8 +14,10 @@ digit: the share of the needle's digit tokens the mask keeps (``needle_kept``), 
 softmax mass on them (``needle_mass``: how much the layer reads the needle at all) and the
 mask's recall of the dense mass (``recall``). ``--infinitehip`` compares several settings'
 cascades on the same Q/K (one forward pass per sample); a setting may name the reference's
-``head_reduction`` (``kernels/reference.py`` ``reduce_heads``: how the heads' chunk scores become
-one ranking), a research setting the kernels do not have. Writes ``needle-decode-cpu.json``,
+research settings (``kernels/reference.py`` ``PruneParams``): ``head_reduction`` values the
+kernels do not have (``reduce_heads``: how the heads' chunk scores become one ranking), and
+``exact_every_stage`` (every stage scores a chunk by its best key: what the budgets could keep
+without representatives). Writes ``needle-decode-cpu.json``,
 a PNG (kept share by layer and digit, the first settings) and prints, per settings, sample and
 digit, in how many layers the whole needle was kept, and in how many of those that read it
 (needle mass > 0.05).
@@ -85,11 +87,12 @@ def main() -> int:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
     variants = [json.loads(v) for v in args.infinitehip or [args.config]]
-    # "head_reduction" is the reference's research setting (kernels/reference.py reduce_heads),
-    # not a config field: it is set on each layer's parameters below
-    cfgs = [(json.dumps(v, sort_keys=True), v.get("head_reduction", "max"),
+    # the reference's research settings (kernels/reference.py PruneParams), not config fields:
+    # set on each layer's parameters below
+    research = ("head_reduction", "exact_every_stage")
+    cfgs = [(json.dumps(v, sort_keys=True), {k: v[k] for k in research if k in v},
              InfiniteHiPConfig.from_user({k: x for k, x in v.items()
-                                          if k not in ("rope_extension", "head_reduction")}))
+                                          if k not in ("rope_extension", *research)}))
             for v in variants]  # fmt: skip
     scale = model.model.layers[0].self_attn.scaling
     date = datetime.date.today().isoformat()
@@ -118,8 +121,7 @@ def main() -> int:
                 s = torch.einsum("hgd,thd->hgt", qg, k).reshape(hq, -1)
                 probs = s.masked_fill(t > p, float("-inf")).softmax(-1)
                 for name, how, cfg in cfgs:
-                    params = dataclasses.replace(layer_prune_params(cfg, layer, None),
-                                                 head_reduction=how)  # fmt: skip
+                    params = dataclasses.replace(layer_prune_params(cfg, layer, None), **how)
                     mask, recall = mask_heads.select(params, qi, k, p, scale)
                     result_rows.append({
                         "model": common.model_name(args.model), "task": args.task,

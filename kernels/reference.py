@@ -100,6 +100,9 @@ class PruneParams:
     head_reduction: str = "max"
     # The last stage scores a chunk by its best key instead of bisecting (every key loaded).
     exact_last_stage: bool = False
+    # Every stage does: the chunk-max rule without representatives, what a mask could keep at
+    # its budgets. A research setting of the reference (benchmarks/needle_decode.py).
+    exact_every_stage: bool = False
     # Stages after the first drop candidates that start inside the window (:func:`run_stages`).
     drop_window_candidates: bool = False
     # Decode reads each selected block as many tokens past its end as steps have passed since
@@ -859,7 +862,7 @@ def run_stages(
             # Every live chunk survives the top-k, so the scores cannot change the outcome.
             scores = torch.where(live, 0.0, NEG_INF)
         else:
-            exact = params.exact_last_stage and i == n_stages - 1
+            exact = params.exact_every_stage or (params.exact_last_stage and i == n_stages - 1)
             scores = _block_scores(params, q, k, true_qk, st, scale, scored, key_limit,
                                    block_min_pos, block_last, exact, landmarks)  # fmt: skip
         if reduce_scores is not None:

@@ -493,3 +493,34 @@ def test_reference_keeps_what_a_brute_force_reader_ranks_first(builder, seed):
     t = case.k.shape[0]
     result = ref.run_stages(params, case.q, case.k, torch.tensor([t - 1]), 1.0)
     assert top <= planted.kept_blocks(result)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_stage_exact_keeps_the_brute_force_top_chunks(seed):
+    """The research setting ``exact_every_stage`` (no representatives at any stage): a
+    one-stage cascade keeps the chunks a brute-force reader ranks first, each chunk's score
+    per head its best key before the query, standardised over the candidates, the max over
+    heads."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(seed)
+    t, hq, hkv, d, chunk, keep = 1200, 4, 2, 16, 32, 8
+    k = torch.randn(t, hkv, d, generator=gen)
+    q = torch.randn(1, hq, d, generator=gen)
+    params = ref.PruneParams(sink_tokens=16, window_tokens=64,
+                             stages=(ref.StageParams(chunk, keep * chunk, 1, 1),),
+                             head_reduction="z-score", exact_every_stage=True)  # fmt: skip
+    p = t - 1
+    result = ref.run_stages(params, q, k, torch.tensor([p]), 1.0)
+    kept = set(result.block_starts[0][result.block_valid[0]].tolist())
+
+    scores = torch.einsum("hd,thd->ht", q[0], k[:, torch.arange(hq) // (hq // hkv)])
+    starts = [s for s in range(16, t, chunk) if s <= p - params.scan_window]
+    best = torch.stack([scores[:, s : min(s + chunk, p + 1)].amax(-1) for s in starts], -1)
+    z = (best - best.mean(-1, keepdim=True)) / best.std(-1, unbiased=False, keepdim=True)
+    want = {starts[int(i)] for i in z.amax(0).topk(keep).indices}
+    assert kept == want
+    # bisection representatives choose otherwise here: the rule is what decides
+    paper = dataclasses.replace(params, exact_every_stage=False)
+    bisected = ref.run_stages(paper, q, k, torch.tensor([p]), 1.0)
+    assert set(bisected.block_starts[0][bisected.block_valid[0]].tolist()) != want
