@@ -349,6 +349,7 @@ def _decode_select_kernel(
     BLOCK_C: tl.constexpr,
     EXACT: tl.constexpr,
     HEAD_SCORES: tl.constexpr,
+    HEAD_BLOCK: tl.constexpr,
     DROP_WINDOW: tl.constexpr,
     SCORE_WHOLE_ROW: tl.constexpr,
 ):
@@ -380,6 +381,7 @@ def _decode_select_kernel(
                     widths_ptr, out_ptr, stride_sb, stride_cs, stride_cc, stride_ns, stride_os,
                     stride_oc, sink_tokens, keep, n_scores, stride_sh, n_heads, STAGE,
                     OUT_INDEX, WRITE_WIDTH, CHUNK_SIZE, SUB, SPLIT, BLOCK_C, HEAD_SCORES,
+                    HEAD_BLOCK,
                 )  # fmt: skip
         return
     offs_c = tile * BLOCK_CHUNK + tl.arange(0, BLOCK_CHUNK)
@@ -524,7 +526,7 @@ def _decode_select_kernel(
                 b, row_slot, seq_len, n_cand, width, scores_ptr, cand_ptr, counts_ptr,
                 widths_ptr, out_ptr, stride_sb, stride_cs, stride_cc, stride_ns, stride_os,
                 stride_oc, sink_tokens, keep, n_scores, stride_sh, n_heads, STAGE, OUT_INDEX,
-                WRITE_WIDTH, CHUNK_SIZE, SUB, SPLIT, BLOCK_C, HEAD_SCORES,
+                WRITE_WIDTH, CHUNK_SIZE, SUB, SPLIT, BLOCK_C, HEAD_SCORES, HEAD_BLOCK,
             )  # fmt: skip
 
 
@@ -559,29 +561,36 @@ def _keep_top(
     SPLIT: tl.constexpr,
     BLOCK_C: tl.constexpr,
     HEAD_SCORES: tl.constexpr,
+    HEAD_BLOCK: tl.constexpr,
 ):
     """Row ``b``'s top ``keep`` chunks by score, split into the next stage's input (or the
     final blocks) of its slot. The max-reduced scores it read are reset to -inf (the next
     launch's atomic max starts there). With ``HEAD_SCORES`` the scores are per head (``[H_q, C]``
     of the row, every listed entry written by this launch, so nothing is reset) and rank by the
-    max over heads of each head's z-score (:func:`reference.reduce_heads`)."""
+    max over heads of each head's z-score (:func:`reference.reduce_heads`), ``HEAD_BLOCK`` heads
+    at a time (:func:`_head_block`)."""
     offs = tl.arange(0, BLOCK_C)
     in_c = offs < n_scores
     score_row = scores_ptr + b.to(tl.int64) * stride_sb
     if HEAD_SCORES:
         listed = in_c & (offs < n_cand)
         s = tl.full([BLOCK_C], float("-inf"), tl.float32)
-        for h in range(n_heads):
+        offs_h = tl.arange(0, HEAD_BLOCK)
+        for h0 in range(0, n_heads, HEAD_BLOCK):
+            # One program ranks the row, so its time is its reductions' latency: a tile of
+            # heads standardises them all with the reductions one head took.
+            heads = h0 + offs_h
+            m = (heads < n_heads)[:, None] & listed[None, :]
             # .cg: other programs' stores, in L2; an L1 line of them could be stale
-            x = tl.load(score_row + h * stride_sh + offs, mask=listed, other=float("-inf"),
-                        cache_modifier=".cg")  # fmt: skip
+            x = tl.load(score_row + heads[:, None] * stride_sh + offs[None, :], mask=m,
+                        other=float("-inf"), cache_modifier=".cg")  # fmt: skip
             ok = x > float("-inf")
-            n = tl.maximum(tl.sum(ok.to(tl.float32), axis=0), 1.0)
+            n = tl.maximum(tl.sum(ok.to(tl.float32), axis=1), 1.0)
             x0 = tl.where(ok, x, 0.0)
-            dev = x0 - tl.sum(x0, axis=0) / n
-            var = tl.sum(tl.where(ok, dev * dev, 0.0), axis=0) / n
-            z = dev / tl.maximum(tl.sqrt(var), 1e-6)
-            s = tl.maximum(s, tl.where(ok, z, float("-inf")))
+            dev = x0 - (tl.sum(x0, axis=1) / n)[:, None]
+            var = tl.sum(tl.where(ok, dev * dev, 0.0), axis=1) / n
+            z = dev / tl.maximum(tl.sqrt(var), 1e-6)[:, None]
+            s = tl.maximum(s, tl.max(tl.where(ok, z, float("-inf")), axis=0))
     else:
         # .cg: the scores are other programs' atomics, in L2; an L1 line of them could be stale
         s = tl.load(score_row + offs, mask=in_c, other=float("-inf"), cache_modifier=".cg")
@@ -655,6 +664,7 @@ def _top_chunks_kernel(
     SPLIT: tl.constexpr,
     BLOCK_C: tl.constexpr,
     HEAD_SCORES: tl.constexpr,
+    HEAD_BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     row_slot = tl.load(slot_ptr + b)
@@ -670,7 +680,7 @@ def _top_chunks_kernel(
         b, row_slot, seq_len, n_cand, width, scores_ptr, cand_ptr, counts_ptr, widths_ptr,
         out_ptr, stride_sb, stride_cs, stride_cc, stride_ns, stride_os, stride_oc, sink_tokens,
         keep, n_scores, stride_sh, n_heads, STAGE, OUT_INDEX, WRITE_WIDTH, CHUNK_SIZE, SUB,
-        SPLIT, BLOCK_C, HEAD_SCORES,
+        SPLIT, BLOCK_C, HEAD_SCORES, HEAD_BLOCK,
     )  # fmt: skip
 
 
@@ -697,8 +707,17 @@ def _top_args(
     meta = dict(STAGE=stage, OUT_INDEX=n if last else stage + 1, WRITE_WIDTH=not last,
                 CHUNK_SIZE=st.chunk_size, SUB=sub, SPLIT=st.chunk_size // sub,
                 BLOCK_C=triton.next_power_of_2(scores.shape[-1]),
-                HEAD_SCORES=scores.dim() == 3)  # fmt: skip
+                HEAD_SCORES=scores.dim() == 3, HEAD_BLOCK=_head_block(scores))  # fmt: skip
     return cand, out, st.keep_tokens // st.chunk_size, meta
+
+
+def _head_block(scores: torch.Tensor) -> int:
+    """Heads the top-k standardises at once (z-score ranking): a tile of about 2048 scores,
+    which four warps hold in registers beside the ranking's own."""
+    if scores.dim() != 3:
+        return 1
+    block_c = triton.next_power_of_2(scores.shape[-1])
+    return max(1, min(triton.next_power_of_2(scores.shape[1]), 2048 // block_c))
 
 
 def top_chunks(

@@ -746,3 +746,31 @@ def test_remapped_pruning_below_the_trained_length_keeps_true_position_attention
 
     got, _ = kernel_masks(params, rope_style, q, cache, table, seq_lens, slots, levels, scale)
     assert_masks_equal(got, want, slots)
+
+
+def test_z_score_ranking_by_tiles_of_heads_equals_reference():
+    """The top-k standardises the heads a tile at a time: six query heads make tiles of 4 and
+    a remainder of 2 over stage 0's 299 chunks, and one tile with two masked heads over stage
+    1's 32; the cascade keeps the reference's blocks, its top-k fused or not, whatever the
+    scratch held past the row's heads."""
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d, page, t = 6, 2, 16, 16, 4800
+    stages = (ref.StageParams(16, 256, 32, 4), ref.StageParams(8, 64, 32, 1))
+    params = ref.PruneParams(sink_tokens=16, window_tokens=64, stages=stages,
+                             head_reduction="z-score")  # fmt: skip
+    cache, table, q = batch([t], hq, hkv, d, page, gen)
+    # room for two rows, holding stale scores: a tile's masked heads lie over the next row's
+    scores = dec.allocate_scores(dec.stage_widths(params, t), 2, torch.device(DEVICE), hq)
+    for s in scores:
+        s.copy_(torch.randn(s.shape, generator=gen).to(s.device))
+    assert [td._head_block(s) for s in scores] == [4, 8]
+    for fuse in (True, False):
+        want = dec.DecodeMasks.allocate(params, 64, 1, torch.device("cpu"))
+        got = dec.DecodeMasks.allocate(params, 64, 1, torch.device(DEVICE))
+        dec.refresh_masks_reference(params, want, q, cache, rows_on("cpu", table, [t], [0], [0]),
+                                    d**-0.5)  # fmt: skip
+        td.refresh_masks(params, got, q.to(DEVICE), cache.to(DEVICE),
+                         rows_on(DEVICE, table, [t], [0], [0]), d**-0.5, scores,
+                         fuse_top=fuse)  # fmt: skip
+        assert_masks_equal(got, want, [0])
+        q = torch.randn(q.shape, generator=gen)
