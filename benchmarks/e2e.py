@@ -63,8 +63,8 @@ DECODE_TOKENS = 128
 DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B"
 
 
-ENGINE_MODIFIERS = ("ext", "vllm-scheduler", "mp", "qb128", "qb256", "tp2", "ray", "rules",
-                    "paper", "extend", "landmark")
+ENGINE_MODIFIERS = ("ext", "vllm-scheduler", "mp", "qb128", "qb256", "bk16", "tp2", "ray",
+                    "rules", "paper", "extend", "landmark")
 # ``+rules``: the selection rules that are not the paper's (z-score head ranking, exact last
 # stage, window candidates dropped at every stage, pruning remapped below the trained length);
 # ``+paper``: the paper's (and this plugin's before them); ``+extend``: reused decode blocks
@@ -93,7 +93,8 @@ def engine_spec(name: str, max_len: int, trained: int | None = None) -> dict:
     ``flash_attn``) runs the engine core in its own process, as ``LLM`` and ``vllm serve`` do by
     default; it is read in ``run_engine``, before vLLM is imported. ``+qb128`` / ``+qb256``: the
     first pruning stage scores query blocks of 128 / 256 queries (16 pooled each), the later
-    stages 64 (neighbouring blocks share the first stage's prefill work). ``+rules`` /
+    stages 64 (neighbouring blocks share the first stage's prefill work). ``+bk16``: the last
+    stage keeps its tokens in blocks of 16 (half as many blocks as 8). ``+rules`` /
     ``+paper``: the selection rules set one way or the other, ``+extend``: reused decode
     blocks read past their end (:data:`SELECTION_RULES`). ``+landmark``: the prefill's
     stages score chunks by landmark representatives. ``+tp2`` (also on
@@ -121,13 +122,16 @@ def engine_spec(name: str, max_len: int, trained: int | None = None) -> dict:
         if trained is None:
             raise SystemExit(f"{name!r}: +ext needs the model's trained length")
         hip["trained_context"] = trained
-    for block in (128, 256):
-        if f"qb{block}" in mods:
-            from vllm_infinitehip.config import PRESETS
+    if mods & {"qb128", "qb256", "bk16"}:
+        from vllm_infinitehip.config import PRESETS
 
-            stages = [dataclasses.asdict(st) for st in PRESETS[preset]["stages"]]
-            stages[0].update(block_size_q=block, query_stride=block // 16)
-            hip["stages"] = stages
+        stages = [dataclasses.asdict(st) for st in PRESETS[preset]["stages"]]
+        for block in (128, 256):
+            if f"qb{block}" in mods:
+                stages[0].update(block_size_q=block, query_stride=block // 16)
+        if "bk16" in mods:
+            stages[-1].update(chunk_size=16)
+        hip["stages"] = stages
     if "landmark" in mods:  # prefill pruning by landmark representatives
         hip["prefill_representatives"] = "landmark"
     if "vllm-scheduler" in mods:  # async scheduling is on for these engines

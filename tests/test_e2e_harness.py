@@ -85,6 +85,12 @@ def test_selection_rule_engines_set_every_rule_and_the_block_extension():
     from vllm_infinitehip.config import InfiniteHiPConfig
 
     InfiniteHiPConfig.from_user(hip("3k-fast+landmark"))  # a valid config
+    # +bk16: the last stage's blocks of 16, its budget and the other stages the preset's
+    config = InfiniteHiPConfig.from_user(hip("3k-fast+bk16+qb128"))
+    preset = InfiniteHiPConfig.from_user({"preset": "3k-fast"})
+    assert (config.block_size_k, config.final_keep_tokens) == (16, preset.final_keep_tokens)
+    assert config.stages[0].block_size_q == 128
+    assert config.stages[1:-1] == preset.stages[1:-1]
 
 
 def _speed(engine, backend, tp_size, tok_s, batch=1, context=131072):
