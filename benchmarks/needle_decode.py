@@ -156,17 +156,19 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    samples = sorted({r["index"] for r in rows})
+    # one panel per sample (a file may hold several tasks' samples), the first settings' rows
+    samples = sorted({(r["task"], r["index"]) for r in rows})
     fig, axes = plt.subplots(len(samples), 1, figsize=(9, 2.6 * len(samples)), squeeze=False)
-    for ax, index in zip(axes[:, 0], samples):
-        rs = [r for r in rows if r["index"] == index and r["settings"] == rows[0]["settings"]]
+    for ax, (task, index) in zip(axes[:, 0], samples):
+        rs = [r for r in rows if (r["task"], r["index"]) == (task, index)
+              and r["settings"] == rows[0]["settings"]]
         layers = max(r["layer"] for r in rs) + 1
         digits = max(r["digit"] for r in rs) + 1
         grid = [[next(r["needle_kept"] for r in rs if r["layer"] == la and r["digit"] == d)
                  for la in range(layers)] for d in range(digits)]  # fmt: skip
         im = ax.imshow(grid, vmin=0, vmax=1, aspect="auto", cmap="viridis")
         ax.set_ylabel("answer digit")
-        ax.set_title(f"sample {index}: {rs[0]['truth']} -> {rs[0]['pred']} "
+        ax.set_title(f"{task} sample {index}: {rs[0]['truth']} -> {rs[0]['pred']} "
                      f"(first wrong digit {rs[0]['diverged_at']})", fontsize=9)  # fmt: skip
     axes[-1, 0].set_xlabel("layer")
     fig.colorbar(im, ax=axes[:, 0], label="share of the needle's digits kept")
