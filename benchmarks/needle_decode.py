@@ -55,6 +55,8 @@ def main() -> int:
                     help="JSON settings whose cascades are compared on the same Q/K (default: "
                          "--config's); each row names its settings")
     ap.add_argument("--limit", type=int, default=4)
+    ap.add_argument("--indices", type=int, nargs="+", default=None,
+                    help="only these samples (of those chosen), to extend an earlier run")
     ap.add_argument("--cache", type=Path, default=Path(".cache/ruler"),
                     help="ruler.py's --cache, where the samples' prompts are")
     ap.add_argument("--n", type=int, default=20, help="the run's --n")
@@ -80,6 +82,8 @@ def main() -> int:
         kind, j = ruler_answers.answer_kind(truth, r["pred"])
         if r["score"] < 100 and truth.isdigit() and kind == "diverged":
             chosen.append((r["index"], truth, j, r["pred"]))
+    if args.indices is not None:
+        chosen = [c for c in chosen if c[0] in args.indices]
     chosen = chosen[: args.limit]
     print(f"{len(chosen)} samples whose answer started right and diverged: "
           f"{[(i, t, p.strip()) for i, t, _, p in chosen]}", flush=True)
