@@ -124,8 +124,9 @@ def main() -> int:
                 qg = qi.view(hkv, hq // hkv, -1) * scale
                 s = torch.einsum("hgd,thd->hgt", qg, k).reshape(hq, -1)
                 probs = s.masked_fill(t > p, float("-inf")).softmax(-1)
-                for name, how, cfg in cfgs:
-                    params = dataclasses.replace(layer_prune_params(cfg, layer, None), **how)
+                for name, research_settings, cfg in cfgs:
+                    params = dataclasses.replace(layer_prune_params(cfg, layer, None),
+                                                 **research_settings)  # fmt: skip
                     mask, recall = mask_heads.select(params, qi, k, p, scale)
                     result_rows.append({
                         "model": common.model_name(args.model), "task": args.task,

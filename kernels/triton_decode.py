@@ -704,19 +704,18 @@ def _top_args(
     sub = st.chunk_size if last else params.stages[stage + 1].chunk_size
     out = masks.final if last else masks.inputs[stage + 1]
     cand = masks.inputs[stage] if stage > 0 else masks.counts  # placeholder at stage 0
+    block_c = triton.next_power_of_2(scores.shape[-1])
     meta = dict(STAGE=stage, OUT_INDEX=n if last else stage + 1, WRITE_WIDTH=not last,
-                CHUNK_SIZE=st.chunk_size, SUB=sub, SPLIT=st.chunk_size // sub,
-                BLOCK_C=triton.next_power_of_2(scores.shape[-1]),
-                HEAD_SCORES=scores.dim() == 3, HEAD_BLOCK=_head_block(scores))  # fmt: skip
+                CHUNK_SIZE=st.chunk_size, SUB=sub, SPLIT=st.chunk_size // sub, BLOCK_C=block_c,
+                HEAD_SCORES=scores.dim() == 3, HEAD_BLOCK=_head_block(scores, block_c))  # fmt: skip
     return cand, out, st.keep_tokens // st.chunk_size, meta
 
 
-def _head_block(scores: torch.Tensor) -> int:
-    """Heads the top-k standardises at once (z-score ranking): a tile of about 2048 scores,
-    which four warps hold in registers beside the ranking's own."""
+def _head_block(scores: torch.Tensor, block_c: int) -> int:
+    """Heads the top-k standardises at once (z-score ranking) over ``block_c`` chunks: a tile of
+    about 2048 scores, which four warps hold in registers beside the ranking's own."""
     if scores.dim() != 3:
         return 1
-    block_c = triton.next_power_of_2(scores.shape[-1])
     return max(1, min(triton.next_power_of_2(scores.shape[1]), 2048 // block_c))
 
 
