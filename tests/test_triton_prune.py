@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from vllm_infinitehip.kernels import reference as ref
-from vllm_infinitehip.kernels import triton_landmark as tlm
 from vllm_infinitehip.kernels import triton_prune as tp
 from vllm_infinitehip.kernels import triton_rope as tr
 from vllm_infinitehip.kernels.rope import RopeTable, rope_cos_sin, rotate
