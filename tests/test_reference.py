@@ -1,5 +1,6 @@
 """The PyTorch reference against dense attention and against hand-checked cases."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -481,8 +482,6 @@ def test_reference_keeps_what_a_brute_force_reader_ranks_first(builder, seed):
     """Planted needles (tests/helpers/planted.py) are what the oracle ranks first, and the
     reference cascade with z-score ranking, exact last stage and the window check keeps every
     one of them in its final blocks."""
-    import dataclasses
-
     from tests.helpers import planted
 
     case = getattr(planted, builder)(seed)
@@ -501,8 +500,6 @@ def test_every_stage_exact_keeps_the_brute_force_top_chunks(seed):
     one-stage cascade keeps the chunks a brute-force reader ranks first, each chunk's score
     per head its best key before the query, standardised over the candidates, the max over
     heads."""
-    import dataclasses
-
     gen = torch.Generator().manual_seed(seed)
     t, hq, hkv, d, chunk, keep = 1200, 4, 2, 16, 32, 8
     k = torch.randn(t, hkv, d, generator=gen)
