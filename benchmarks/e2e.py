@@ -559,7 +559,7 @@ def main() -> None:
     ap.add_argument("--trained-context", type=int, default=None,
                     help="the length +ext engines declare as trained; default: from the config")
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072, 524288])
-    ap.add_argument("--engines", nargs="+", default=["flash_attn", "3k-fast", "3k-fast+ext"])
+    ap.add_argument("--engines", nargs="+", default=["flash_attn", "3k-5k", "3k-5k+ext"])
     ap.add_argument("--batch8-contexts", type=int, nargs="*", default=[131072])
     ap.add_argument("--skip", nargs="*", default=[],
                     help="ENGINE:CONTEXT pairs not to run (e.g. flash_attn:917504)")

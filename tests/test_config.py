@@ -3,14 +3,20 @@ import pytest
 from vllm_infinitehip.config import PRESETS, InfiniteHiPConfig, InfiniteHiPConfigError
 
 
-def test_default_is_3k_fast_with_code_defaults():
+def test_default_is_3k_5k_with_code_defaults():
+    """Prefill prunes with the 3K stages, decode with the 5K stages."""
     c = InfiniteHiPConfig.from_user(None)
-    assert c.preset == "3k-fast"
+    assert c.preset == "3k-5k"
     assert (c.sink_tokens, c.window_tokens) == (256, 1024)
     assert [(s.chunk_size, s.keep_tokens, s.query_stride) for s in c.stages] == [
         (256, 32768, 4),
         (32, 8192, 4),
         (8, 2048, 1),
+    ]
+    assert [(s.chunk_size, s.keep_tokens, s.query_stride) for s in c.decode_stages] == [
+        (64, 32768, 4),
+        (32, 16384, 4),
+        (16, 4096, 1),
     ]
     assert c.refresh_intervals == (32, 16, 8)
     assert c.effective_dense_threshold == 256 + 1024 + 2048
@@ -18,6 +24,29 @@ def test_default_is_3k_fast_with_code_defaults():
             c.extend_reused_blocks) == ("z-score", True, True, True)
     assert c.remap_pruning == "always"
     assert c.final_keep_for_layer(0) == 4096 and c.final_keep_for_layer(10) == 2048
+    decode = c.for_decode()
+    assert decode.stages == c.decode_stages and decode.block_size_k == 16
+    assert decode.final_keep_for_layer(0) == 4096 and decode.final_keep_for_layer(10) == 4096
+    assert InfiniteHiPConfig.from_user(c.to_dict()) == c
+
+
+def test_decode_stages_follow_given_stages_unless_given_too():
+    stages = [{"chunk_size": 64, "keep_tokens": 2048}, {"chunk_size": 16, "keep_tokens": 1024},
+              {"chunk_size": 4, "keep_tokens": 256}]
+    own = InfiniteHiPConfig.from_user({"stages": stages})
+    assert own.decode_stages is None and own.for_decode() is own  # not the preset's 5K stages
+    assert own.for_decode().block_size_k == 4
+    both = InfiniteHiPConfig.from_user({"stages": stages, "decode_stages": stages[:2],
+                                        "refresh_intervals": [8, 4]})
+    assert [s.chunk_size for s in both.stages] == [64, 16, 4]
+    assert [s.chunk_size for s in both.for_decode().stages] == [64, 16]
+    assert both.for_decode().final_keep_tokens == 1024
+    assert both.decode_threshold(None) == 256 + 1024 + 1024  # decode's final budget
+    assert InfiniteHiPConfig.from_user(both.to_dict()) == both
+    paper = InfiniteHiPConfig.from_user({"preset": "3k-fast"})
+    assert paper.decode_stages is None and paper.for_decode().stages == paper.stages
+    only_decode = InfiniteHiPConfig.from_user({"decode_stages": stages})
+    assert only_decode.stages == paper.stages and only_decode.for_decode().block_size_k == 4
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -54,10 +83,11 @@ def test_dense_decode_threshold_auto_takes_the_device_crossover():
     auto = InfiniteHiPConfig.from_user(None)
     assert auto.dense_threshold == "auto"
     assert auto.decode_threshold(32768) == 32768  # a GPU with FlashAttention
-    assert auto.decode_threshold(None) == 256 + 1024 + 2048  # elsewhere: where sparsity starts
+    # elsewhere: where sparsity starts, with the decode stages' final budget
+    assert auto.decode_threshold(None) == 256 + 1024 + 4096
     fixed = InfiniteHiPConfig.from_user({"dense_threshold": 3328})
     assert fixed.decode_threshold(32768) == 3328  # an explicit value is kept on every device
-    assert InfiniteHiPConfig.from_user({"dense_threshold": None}).decode_threshold(32768) == 3328
+    assert InfiniteHiPConfig.from_user({"dense_threshold": None}).decode_threshold(32768) == 5376
     with pytest.raises(InfiniteHiPConfigError, match=r"infinitehip\.dense_threshold"):
         InfiniteHiPConfig.from_user({"dense_threshold": "big"})
 
@@ -123,6 +153,17 @@ def test_selection_rules_parse_and_reach_the_layers():
         ({"prefill_representatives": "landmark", "window_tokens": 512},
          "infinitehip.stages[0].chunk_size"),
         ({"prefill_representatives": "landmark", "offload": True}, "infinitehip.offload.layout"),
+        ({"decode_stages": [{"chunk_size": 64, "keep_tokens": 4096},
+                            {"chunk_size": 24, "keep_tokens": 480}]},
+         "infinitehip.decode_stages[1].chunk_size"),
+        ({"decode_stages": [{"chunk_size": 16, "keep_tokens": 4096}]},
+         "infinitehip.refresh_intervals` has 3 entries but there are 1 `infinitehip.decode_stages"),
+        ({"decode_stages": {"chunk_size": 16}}, "infinitehip.decode_stages"),
+        ({"decode_stages": [{"chunk_size": 64, "keep_tokens": 4096, "size": 1}]},
+         "infinitehip.decode_stages[0].size"),
+        ({"decode_stages": [{"chunk_size": 64, "keep_tokens": 32768}, {"chunk_size": 32, "keep_tokens": 16384},
+                            {"chunk_size": 32, "keep_tokens": 4096}], "dense_layer_keep_tokens": 4112},
+         "infinitehip.decode_stages[2]"),
         ("{not json", "not valid JSON"),
     ],
 )

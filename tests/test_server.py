@@ -99,7 +99,7 @@ def test_completions_and_streaming(server):
     assert events[-1] == "[DONE]"
     pieces = [json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"]]
     assert len(pieces) >= 2 and "".join(pieces) == text
-    assert "InfiniteHiP config: preset=3k-fast sink=32 window=256" in log.read_text()
+    assert "InfiniteHiP config: preset=3k-5k sink=32 window=256" in log.read_text()
 
 
 def test_metrics_has_the_infinitehip_series_with_no_flag(server):

@@ -260,6 +260,36 @@ def test_full_budget_sparse_equals_dense_in_vllm(tiny_model, tmp_path):
     assert results["infinitehip"] == results["default"]
 
 
+def test_decode_prunes_with_decode_stages_and_not_stages(tiny_model, tmp_path):
+    """``decode_stages`` are what decode prunes with, ``stages`` do not reach it. Prefill is
+    dense in both engines, so only decode differs: with a whole-context decode budget (the
+    small ``stages`` beside it) decode attends every key and reproduces the default backend's
+    greedy text; with a whole-context ``stages`` budget and the small ``decode_stages``, decode
+    prunes."""
+    small = SMALL_HIP["stages"]
+    full = [{**st, "keep_tokens": 8192} for st in small]
+    dense_prefill = {**SMALL_HIP, "dense_threshold": 64, "prefill_dense_threshold": 1 << 20}
+    prompts = [long_prompt(900, "phi"), long_prompt(1300, "chi")]
+    engines = {"default": {},
+               "decode-full": {"stages": small, "decode_stages": full},
+               "decode-small": {"stages": full, "decode_stages": small}}  # fmt: skip
+    runs = {}
+    for name, hip in engines.items():
+        extra = {"additional_config": {"infinitehip": {**dense_prefill, **hip}}} if hip else {}
+        spec = {"engine": {**ENGINE_KW, **extra}, "prompts": prompts, "max_tokens": 12,
+                "report": bool(hip)}  # fmt: skip
+        runs[name] = generate_in_subprocess(tiny_model, "infinitehip" if hip else "default",
+                                            spec, tmp_path, name)  # fmt: skip
+    full_run, small_run = runs["decode-full"], runs["decode-small"]
+    assert full_run["tokens"] == runs["default"]
+    for run in (full_run, small_run):
+        counts = run["report"]["stats"]
+        assert counts["sparse_prefill_queries"] == 0  # prefill dense: the pairs are decode's
+        assert counts["sparse_decode_queries"] == 2 * 2 * 11  # layers x prompts x steps
+    assert full_run["report"]["stats"]["sparsity"] == 0.0
+    assert small_run["report"]["stats"]["sparsity"] > 0.5
+
+
 def test_bad_config_raises_naming_the_field(tiny_model):
     from vllm import LLM
 

@@ -67,7 +67,8 @@ logger = init_logger(f"vllm.{__name__}")
 def layer_prune_params(
     config: InfiniteHiPConfig, layer_index: int, rope: ref.RopePlan | None = None
 ) -> ref.PruneParams:
-    """A layer's pruning parameters: the config's stages, its final budget (§1.2)."""
+    """A layer's pruning parameters: the config's stages, its final budget (§1.2). Decode's are
+    those of ``config.for_decode()``."""
     stages = [
         ref.StageParams(s.chunk_size, s.keep_tokens, s.block_size_q, s.query_stride)
         for s in config.stages
@@ -344,12 +345,15 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)
         self.config = InfiniteHiPConfig.from_vllm_config(vllm_config)
+        # what the decode state is sized for: the decode stages
+        decode_config = self.config.for_decode()
         self.block_size = kv_cache_spec.block_size
-        self.threshold = decode_threshold(self.config, device,
+        self.threshold = decode_threshold(decode_config, device,
                                           is_fp8_kv(vllm_config.cache_config.cache_dtype))
         trained, extension = trained_and_extension(self.config, vllm_config.model_config)
         self._trained = trained
-        past = self.config.spans_past_trained(trained) if extension else []
+        past = list(dict.fromkeys(self.config.spans_past_trained(trained)
+                                  + decode_config.spans_past_trained(trained))) if extension else []
         if past:
             # SmolLM2 (trained 8K) at 32K-64K: 8 of 12 passkeys with the defaults, 0 of 12 with
             # either budget raised past 8K (docs/results.md, passkey-settings-gpu-2026-12-03)
@@ -359,7 +363,8 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
                 "window_tokens or the kept budgets.", trained, "; ".join(past))
         max_rows = vllm_config.scheduler_config.max_num_seqs
         max_len = vllm_config.model_config.max_model_len
-        params = {name: layer_prune_params(self.config, _layer_index(name)) for name in layer_names}
+        params = {name: layer_prune_params(decode_config, _layer_index(name))
+                  for name in layer_names}  # fmt: skip
         final_keep = max(p.stages[-1].keep_tokens for p in params.values())
         masks = {
             name: dec.DecodeMasks.allocate(p, final_keep, max_rows, device)
@@ -376,7 +381,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
         if device.type == "cuda":
             from vllm_infinitehip.kernels.triton_bsa import decode_workspace_floats
 
-            max_keys = (self.config.sink_tokens + self.config.window_tokens
+            max_keys = (decode_config.sink_tokens + decode_config.window_tokens
                         + final_keep)  # a row's keys: sink, window, final blocks
             n = decode_workspace_floats(max_rows, heads, model.get_head_size(), max_keys,
                                         rope=True)  # fmt: skip
@@ -881,14 +886,15 @@ class InfiniteHiPImpl(AttentionImpl):
 
             bound = 4 * self.max_model_len + (1 << 16)
             delta_tables(self._rope_table, bound, device)
-            scan_window = layer_prune_params(self.config, 0).scan_window
+            scan_window = layer_prune_params(self.config.for_decode(), 0).scan_window
             for style in ("relative", "chunk-indexed"):
                 self._placements[style] = triton_decode.QueryPlacement.build(
                     style, self._rope_table, scan_window, device
                 )
         self.plan: StepPlan | None = None
-        self._params: ref.PruneParams | None = None
+        self._params: ref.PruneParams | None = None  # prefill's
         self._tail_params: ref.PruneParams | None = None
+        self._decode_params: ref.PruneParams | None = None
         self._layer_name: str | None = None
         self._scratch: DecodeScratch | None = None
         self._scratch_refresh_body: DecodeScratch | None = None
@@ -906,7 +912,9 @@ class InfiniteHiPImpl(AttentionImpl):
         self._layer_name = layer.layer_name
         self._ops = ops_for(device, self.config.scoring_precision, _score_reduce(self.config))
         layer_index = _layer_index(layer.layer_name)
-        self._params = layer_prune_params(self.config, layer_index, self._rope_plan(layer_index))
+        rope_plan = self._rope_plan(layer_index)
+        self._params = layer_prune_params(self.config, layer_index, rope_plan)
+        self._decode_params = layer_prune_params(self.config.for_decode(), layer_index, rope_plan)
         tail_window = self.config.tail_window(self.trained_context)
         if tail_window is not None:
             self._tail_params = dataclasses.replace(self._params, window_tokens=tail_window)
@@ -1043,10 +1051,10 @@ class InfiniteHiPImpl(AttentionImpl):
         branch = step_branches.current()  # None unless a full decode graph is being captured
         if m.run_cascade and branch != step_branches.REUSE:
             scratch = self._scratch if branch is None else self._scratch_refresh_body
-            ops.refresh_decode(self._params, masks, q, kv_cache, rows, self.scale, scratch,
-                               **kv_args)  # fmt: skip
-        ops.attend_decode(self._params, masks, q, kv_cache, rows, self.scale, out, self.pairs,
-                          self._scratch, **kv_args)  # fmt: skip
+            ops.refresh_decode(self._decode_params, masks, q, kv_cache, rows, self.scale,
+                               scratch, **kv_args)  # fmt: skip
+        ops.attend_decode(self._decode_params, masks, q, kv_cache, rows, self.scale, out,
+                          self.pairs, self._scratch, **kv_args)  # fmt: skip
         if self.recall_log is not None:
             self._log_decode_recall(masks, q, kv_cache, rows)
 
@@ -1121,7 +1129,7 @@ class InfiniteHiPImpl(AttentionImpl):
                 continue
             req = RequestKV(kv_cache, rows.block_table[b], seq_len, **self._kv_scales)
             positions = torch.tensor([seq_len - 1], device=q.device)
-            self._log_recall("decode", self._params, req, q[b : b + 1], positions,
+            self._log_recall("decode", self._decode_params, req, q[b : b + 1], positions,
                              masks.prune_result(slot))  # fmt: skip
 
     def _log_recall(
