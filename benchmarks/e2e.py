@@ -94,7 +94,8 @@ def engine_spec(name: str, max_len: int, trained: int | None = None) -> dict:
     default; it is read in ``run_engine``, before vLLM is imported. ``+qb128`` / ``+qb256``: the
     first pruning stage scores query blocks of 128 / 256 queries (16 pooled each), the later
     stages 64 (neighbouring blocks share the first stage's prefill work). ``+bk16``: the last
-    stage keeps its tokens in blocks of 16 (half as many blocks as 8). ``+rules`` /
+    stage keeps its tokens in blocks of 16 (half as many blocks as 8). These three change
+    ``stages``; a preset's ``decode_stages`` (``3k-5k``'s) stay as they are. ``+rules`` /
     ``+paper``: the selection rules set one way or the other, ``+extend``: reused decode
     blocks read past their end (:data:`SELECTION_RULES`). ``+landmark``: the prefill's
     stages score chunks by landmark representatives. ``+tp2`` (also on
@@ -132,6 +133,11 @@ def engine_spec(name: str, max_len: int, trained: int | None = None) -> dict:
         if "bk16" in mods:
             stages[-1].update(chunk_size=16)
         hip["stages"] = stages
+        # the modifiers change the preset's stages; a preset's own decode stages stay decode's
+        # (given stages alone would serve decode too)
+        if PRESETS[preset].get("decode_stages") is not None:
+            hip["decode_stages"] = [dataclasses.asdict(st)
+                                    for st in PRESETS[preset]["decode_stages"]]  # fmt: skip
     if "landmark" in mods:  # prefill pruning by landmark representatives
         hip["prefill_representatives"] = "landmark"
     if "vllm-scheduler" in mods:  # async scheduling is on for these engines

@@ -91,6 +91,10 @@ def test_selection_rule_engines_set_every_rule_and_the_block_extension():
     assert (config.block_size_k, config.final_keep_tokens) == (16, preset.final_keep_tokens)
     assert config.stages[0].block_size_q == 128
     assert config.stages[1:-1] == preset.stages[1:-1]
+    # on a preset with its own decode stages the modifiers change prefill's stages only
+    mixed = InfiniteHiPConfig.from_user(hip("3k-5k+qb128"))
+    default = InfiniteHiPConfig.from_user({"preset": "3k-5k"})
+    assert mixed.stages[0].block_size_q == 128 and mixed.decode_stages == default.decode_stages
 
 
 def _speed(engine, backend, tp_size, tok_s, batch=1, context=131072):
