@@ -221,10 +221,10 @@ def plot_ruler(result: dict, out: Path) -> None:
                       and r["context"] == trained]
             return sum(scores) / len(scores) if len(scores) == len(tasks_of) else -1.0
 
-        # the settings measured at every 1× task and at the most cells past it, then the best
+        # of the settings measured at every 1× task, the best there (then the most cells)
         rest = [k for k in hip[1:] if at_1x(k) >= 0]
         if rest:
-            shown.append(max(rest, key=lambda k: (cells[k], at_1x(k))))
+            shown.append(max(rest, key=lambda k: (at_1x(k), cells[k])))
         panels.append((model, [r for r in mine if (r["backend"], r["ops"], r["config"]) in shown],
                        shown))
     ncols = max(len(backends) for _, _, backends in panels)
