@@ -109,7 +109,7 @@ class Results:
                  "backend": b, "config": c, "ops": o,
                  "accuracy": sum(ok for ok, _ in h) / len(h), "n": len(h),
                  "generate_s": sum(t for _, t in h) / len(h),
-                 "date": self.date, "command": self.command}
+                 "date": self.date, "gpu": self.gpu, "command": self.command}
                 for (b, c, o, n, d), h in sorted(self.hits.items())]  # fmt: skip
         default = {(r["context"], r["depth"]): r["generate_s"] for r in rows
                    if r["backend"] == "default"}  # fmt: skip

@@ -411,7 +411,7 @@ class Results:
                          "n": len(answers),
                          "nulls": sum(not postprocess(p) for p in preds),
                          "tokens": sum(a["tokens"] for a in answers) / len(answers),
-                         "date": self.date, "command": self.command})
+                         "date": self.date, "gpu": self.gpu, "command": self.command})
         return rows
 
     def all_rows(self) -> list[dict]:

@@ -165,7 +165,8 @@ def test_rows_summary_and_a_later_run_replacing_only_its_cells(tmp_path):
     assert row == {"model": "smollm2-135m", "trained_context": 8192, "context": 8192,
                    "multiple": 1.0, "task": "niah_single_1", "backend": "infinitehip",
                    "config": "{}", "ops": "pytorch", "score": 50.0, "n": 2, "nulls": 0,
-                   "tokens": 7992.0, "date": first.date, "command": first.command}
+                   "tokens": 7992.0, "date": first.date, "gpu": "cpu",
+                   "command": first.command}
     summary = {(s["backend"], s["context"]): s for s in saved["summary"]}
     assert summary["infinitehip", 8192]["average"] == 75.0
     assert summary["infinitehip", 8192]["ratio_to_1x"] == 1.0
