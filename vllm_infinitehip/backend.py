@@ -857,6 +857,7 @@ class InfiniteHiPImpl(AttentionImpl):
 
         vllm_config = get_current_vllm_config()
         self.config = InfiniteHiPConfig.from_vllm_config(vllm_config)
+        self._decode_config = self.config.for_decode()  # what decode prunes with
         model_config = vllm_config.model_config
         self.max_model_len = model_config.max_model_len
         self.trained_context, self.rope_extension = trained_and_extension(
@@ -886,7 +887,7 @@ class InfiniteHiPImpl(AttentionImpl):
 
             bound = 4 * self.max_model_len + (1 << 16)
             delta_tables(self._rope_table, bound, device)
-            scan_window = layer_prune_params(self.config.for_decode(), 0).scan_window
+            scan_window = layer_prune_params(self._decode_config, 0).scan_window
             for style in ("relative", "chunk-indexed"):
                 self._placements[style] = triton_decode.QueryPlacement.build(
                     style, self._rope_table, scan_window, device
@@ -914,7 +915,7 @@ class InfiniteHiPImpl(AttentionImpl):
         layer_index = _layer_index(layer.layer_name)
         rope_plan = self._rope_plan(layer_index)
         self._params = layer_prune_params(self.config, layer_index, rope_plan)
-        self._decode_params = layer_prune_params(self.config.for_decode(), layer_index, rope_plan)
+        self._decode_params = layer_prune_params(self._decode_config, layer_index, rope_plan)
         tail_window = self.config.tail_window(self.trained_context)
         if tail_window is not None:
             self._tail_params = dataclasses.replace(self._params, window_tokens=tail_window)

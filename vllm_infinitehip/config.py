@@ -481,8 +481,9 @@ class InfiniteHiPConfig:
             _stage(s, i) for i, s in enumerate(_list(values["stages"], "infinitehip.stages"))
         )
         # stages given without decode_stages: decode prunes with them too, not the preset's
-        decode = values.get("decode_stages") if "stages" not in raw or "decode_stages" in raw \
-            else None  # fmt: skip
+        if "stages" in raw and "decode_stages" not in raw:
+            values["decode_stages"] = None
+        decode = values.get("decode_stages")
         kwargs["decode_stages"] = None if decode is None else tuple(
             _stage(s, i, "decode_stages")
             for i, s in enumerate(_list(decode, "infinitehip.decode_stages")))  # fmt: skip
