@@ -290,6 +290,30 @@ def test_decode_prunes_with_decode_stages_and_not_stages(tiny_model, tmp_path):
     assert small_run["report"]["stats"]["sparsity"] > 0.5
 
 
+def test_prefill_stages_leave_decode_unchanged_with_rope_extension(tiny_model, tmp_path):
+    """With prefill dense, what ``stages`` say must not reach decode, also with RoPE extension
+    on, where decode prunes at remapped positions and some rows attend remapped (prompts on
+    both sides of ``trained_context``): two engines that differ only in ``stages`` give the
+    same greedy tokens, with decode pruning in both."""
+    small = SMALL_HIP["stages"]
+    wide = [{**small[0], "keep_tokens": 2048}, {**small[1], "keep_tokens": 1024},
+            {**small[2], "chunk_size": 16, "keep_tokens": 512}]
+    hip = {**SMALL_HIP, "dense_threshold": 64, "prefill_dense_threshold": 1 << 20,
+           "rope_extension": True, "trained_context": 1280, "decode_stages": small}
+    prompts = [long_prompt(900, "rho"), long_prompt(1300, "tau")]
+    runs = {}
+    for name, stages in (("prefill-small", small), ("prefill-wide", wide)):
+        extra = {"additional_config": {"infinitehip": {**hip, "stages": stages}}}
+        spec = {"engine": {**ENGINE_KW, **extra}, "prompts": prompts, "max_tokens": 24,
+                "report": True}  # fmt: skip
+        runs[name] = generate_in_subprocess(tiny_model, "infinitehip", spec, tmp_path, name)
+    assert runs["prefill-small"]["tokens"] == runs["prefill-wide"]["tokens"]
+    for run in runs.values():
+        counts = run["report"]["stats"]
+        assert counts["sparse_prefill_queries"] == 0
+        assert counts["sparsity"] > 0.3
+
+
 def test_bad_config_raises_naming_the_field(tiny_model):
     from vllm import LLM
 
