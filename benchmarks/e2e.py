@@ -135,9 +135,10 @@ def engine_spec(name: str, max_len: int, trained: int | None = None) -> dict:
         hip["stages"] = stages
         # the modifiers change the preset's stages; a preset's own decode stages stay decode's
         # (given stages alone would serve decode too)
-        if PRESETS[preset].get("decode_stages") is not None:
-            hip["decode_stages"] = [dataclasses.asdict(st)
-                                    for st in PRESETS[preset]["decode_stages"]]  # fmt: skip
+        decode = PRESETS[preset].get("decode_stages")
+        if decode is not None:
+            hip["decode_stages"] = decode if decode == "auto" else [
+                dataclasses.asdict(st) for st in decode]  # fmt: skip
     if "landmark" in mods:  # prefill pruning by landmark representatives
         hip["prefill_representatives"] = "landmark"
     if "vllm-scheduler" in mods:  # async scheduling is on for these engines

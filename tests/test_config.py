@@ -4,7 +4,7 @@ from vllm_infinitehip.config import PRESETS, InfiniteHiPConfig, InfiniteHiPConfi
 
 
 def test_default_is_3k_5k_with_code_defaults():
-    """Prefill prunes with the 3K stages, decode with the 5K stages."""
+    """Prefill prunes with the 3K stages, decode with the 5K stages (``"auto"``, no model yet)."""
     c = InfiniteHiPConfig.from_user(None)
     assert c.preset == "3k-5k"
     assert (c.sink_tokens, c.window_tokens) == (256, 1024)
@@ -13,7 +13,8 @@ def test_default_is_3k_5k_with_code_defaults():
         (32, 8192, 4),
         (8, 2048, 1),
     ]
-    assert [(s.chunk_size, s.keep_tokens, s.query_stride) for s in c.decode_stages] == [
+    assert c.decode_stages == "auto"
+    assert [(s.chunk_size, s.keep_tokens, s.query_stride) for s in c.for_decode().stages] == [
         (64, 32768, 4),
         (32, 16384, 4),
         (16, 4096, 1),
@@ -25,7 +26,7 @@ def test_default_is_3k_5k_with_code_defaults():
     assert c.remap_pruning == "always"
     assert c.final_keep_for_layer(0) == 4096 and c.final_keep_for_layer(10) == 2048
     decode = c.for_decode()
-    assert decode.stages == c.decode_stages and decode.block_size_k == 16
+    assert decode.decode_stages is None and decode.block_size_k == 16
     assert decode.final_keep_for_layer(0) == 4096 and decode.final_keep_for_layer(10) == 4096
     assert InfiniteHiPConfig.from_user(c.to_dict()) == c
 
@@ -47,6 +48,29 @@ def test_decode_stages_follow_given_stages_unless_given_too():
     assert paper.decode_stages is None and paper.for_decode().stages == paper.stages
     only_decode = InfiniteHiPConfig.from_user({"decode_stages": stages})
     assert only_decode.stages == paper.stages and only_decode.for_decode().block_size_k == 4
+
+
+def test_auto_decode_stages_keep_the_span_inside_half_the_trained_length():
+    """``"auto"``: the 5K decode stages (sink 256 + 4096 + window 1024 = 5376 tokens laid out
+    left of a remapped row's query) where that span is at most half the trained length or RoPE
+    extension is off; otherwise decode prunes with ``stages``."""
+    c = InfiniteHiPConfig.from_user({})
+    five = c.for_decode().stages
+    for trained, extension, decode in [(32768, True, five), (10752, True, five),
+                                       (10750, True, c.stages), (8192, True, c.stages),
+                                       (8192, False, five)]:
+        resolved = c.for_model(trained, extension)
+        assert resolved.for_decode().stages == decode, (trained, extension)
+        assert resolved.stages == c.stages  # prefill untouched
+    assert c.for_model(8192, True).decode_threshold(None) == 256 + 1024 + 2048
+    narrow = InfiniteHiPConfig.from_user({"window_tokens": 256})  # span 4608 fits 9216
+    assert narrow.for_model(9216, True).for_decode().block_size_k == 16
+    given = InfiniteHiPConfig.from_user({"decode_stages": PRESETS["5k"]["stages"]})
+    assert given.for_model(8192, True) is given  # a list given is kept as given
+    assert InfiniteHiPConfig.from_user(c.to_dict()) == c
+    with pytest.raises(InfiniteHiPConfigError, match=r"refresh_intervals.*decode_stages.*5K"):
+        InfiniteHiPConfig.from_user({"stages": PRESETS["5k"]["stages"][1:], "decode_stages": "auto",
+                                     "refresh_intervals": [8, 4]})  # fmt: skip
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

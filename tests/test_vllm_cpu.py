@@ -314,6 +314,28 @@ def test_prefill_stages_leave_decode_unchanged_with_rope_extension(tiny_model, t
         assert counts["sparsity"] > 0.3
 
 
+def test_auto_decode_stages_resolve_against_the_served_model(tiny_model, tmp_path):
+    """``decode_stages`` ``"auto"`` inside vLLM: with RoPE extension on, the 5K decode span
+    (sink 32 + 4096 + window 256) fits half of a 16K trained length, and decode keeps every key
+    of these prompts (sparsity 0); against a 1280-token trained length it does not, and decode
+    prunes with the small ``stages`` (the tokens of an engine given those stages alone)."""
+    hip = {**SMALL_HIP, "dense_threshold": 64, "prefill_dense_threshold": 1 << 20,
+           "rope_extension": True, "decode_stages": "auto"}
+    prompts = [long_prompt(900, "mu"), long_prompt(1300, "nu")]
+    engines = {"auto-16k": {**hip, "trained_context": 16384},
+               "auto-1280": {**hip, "trained_context": 1280},
+               "stages-1280": {**SMALL_HIP, "dense_threshold": 64, "rope_extension": True,
+                               "prefill_dense_threshold": 1 << 20, "trained_context": 1280}}
+    runs = {}
+    for name, config in engines.items():
+        spec = {"engine": {**ENGINE_KW, "additional_config": {"infinitehip": config}},
+                "prompts": prompts, "max_tokens": 12, "report": True}  # fmt: skip
+        runs[name] = generate_in_subprocess(tiny_model, "infinitehip", spec, tmp_path, name)
+    assert runs["auto-16k"]["report"]["stats"]["sparsity"] == 0.0
+    assert runs["auto-1280"]["report"]["stats"]["sparsity"] > 0.3
+    assert runs["auto-1280"]["tokens"] == runs["stages-1280"]["tokens"]
+
+
 def test_bad_config_raises_naming_the_field(tiny_model):
     from vllm import LLM
 

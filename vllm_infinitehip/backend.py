@@ -53,6 +53,7 @@ from vllm_infinitehip.config import (
     DENSE_DECODE_CROSSOVER,
     DENSE_PREFILL_CROSSOVER,
     InfiniteHiPConfig,
+    trained_and_extension,
 )
 from vllm_infinitehip.kernels import decode as dec
 from vllm_infinitehip.kernels import reference as ref
@@ -86,16 +87,6 @@ def layer_prune_params(
         drop_window_candidates=config.drop_window_candidates,
         extend_reused_blocks=config.extend_reused_blocks,
     )
-
-
-def trained_and_extension(config: InfiniteHiPConfig, model_config) -> tuple[int, bool]:
-    """The model's trained length and whether RoPE extension is on for this served length."""
-    trained = (
-        config.trained_context
-        or getattr(model_config.hf_text_config, "max_position_embeddings", None)
-        or model_config.max_model_len
-    )
-    return trained, config.extends_rope(model_config.max_model_len, trained)
 
 
 def prefill_threshold(

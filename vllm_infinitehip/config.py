@@ -54,7 +54,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # (H100, 128K: 2.7% of a decode step); in prefill the 5K stages' finer first stage probes
     # four times the chunks of every query block (256K: 42.6 against 30.2 s). On RULER at 32K
     # the 5K decode stages kept 0.94 of dense attention's score, the 3K ones 0.87.
-    "3k-5k": {"stages": _3K_STAGES, "decode_stages": _5K_STAGES, "refresh_intervals": (32, 16, 8)},
+    "3k-5k": {"stages": _3K_STAGES, "decode_stages": "auto", "refresh_intervals": (32, 16, 8)},
     # The paper's 3K and 3K-fast: the same stages, masks refreshed twice as often in "3k". A
     # multi-token copy (a UUID) walks out of its selected block between last-stage refreshes,
     # which "3k" halves, at a decode cost (docs/configuration.md).
@@ -64,6 +64,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "5k": {"stages": _5K_STAGES, "refresh_intervals": (32, 16, 8)},
 }
 
+# ``decode_stages`` "auto" decodes with the 5K stages unless RoPE extension is on and their
+# remapped span (sink + 4096 kept + window, every key of a remapped decode row laid out left of
+# its window) exceeds this share of the trained length; then decode takes ``stages``. SmolLM2
+# (trained 8K) at 4x, RULER niah_single_1: 85 with the 3K decode stages (span 3328, 0.41 of 8K),
+# 15 with the 5K ones (5376, 0.66), the same prefill (H100, 2026-12-06; the CPU gives the same
+# answers); passkeys at 64K with the 5K stages: 0 of 20 against 13 (2026-12-03). Qwen2.5-Coder
+# (trained 32K, span 0.16) keeps its answers with the 5K stages to 8x.
+DECODE_SPAN_SHARE = 0.5
 PROBE_RULES = ("midpoint", "first")
 HEAD_REDUCTIONS = ("max", "z-score")
 REMAP_PRUNING = ("past-trained", "always")
@@ -136,7 +144,10 @@ class InfiniteHiPConfig:
       next one's): neighbouring blocks then share its work, and the last stage's blocks are
       block-sparse attention's.
     - ``decode_stages``: the stages decode prunes with, in the same form; ``null``: ``stages``
-      (also when ``stages`` is given and ``decode_stages`` is not). Prefill and decode prune
+      (also when ``stages`` is given and ``decode_stages`` is not); ``"auto"`` (the default
+      preset's): the 5K stages, unless RoPE extension is on and their span (sink + 4096 +
+      window) exceeds half the trained length, where decode takes ``stages``
+      (:data:`DECODE_SPAN_SHARE`). Prefill and decode prune
       apart (a decode row's mask is its own, refreshed on ``refresh_intervals``), so each may
       have its own budget and block size.
     - ``dense_layer_keep_tokens`` / ``dense_layers``: layers that keep a larger final budget.
@@ -219,7 +230,7 @@ class InfiniteHiPConfig:
     sink_tokens: int = 256
     window_tokens: int = 1024
     stages: tuple[StageConfig, ...] = _3K_STAGES
-    decode_stages: tuple[StageConfig, ...] | None = _5K_STAGES
+    decode_stages: tuple[StageConfig, ...] | str | None = "auto"
     refresh_intervals: tuple[int, ...] = (32, 16, 8)
     dense_layers: tuple[int, ...] = (0, 1, 2, 3)
     dense_layer_keep_tokens: int = 4096
@@ -248,10 +259,22 @@ class InfiniteHiPConfig:
 
     def for_decode(self) -> InfiniteHiPConfig:
         """This config as decode reads it: ``stages`` are the decode stages (its final budget,
-        block size, threshold and state sizes follow from them)."""
-        if self.decode_stages is None or self.decode_stages == self.stages:
+        block size, threshold and state sizes follow from them). ``"auto"`` not yet resolved for
+        a model (:meth:`for_model`) reads as the 5K stages, as without RoPE extension."""
+        decode = _5K_STAGES if self.decode_stages == "auto" else self.decode_stages
+        if decode is None or decode == self.stages:
+            return self if self.decode_stages is None else dataclasses.replace(
+                self, decode_stages=None)  # fmt: skip
+        return dataclasses.replace(self, stages=decode, decode_stages=None)
+
+    def for_model(self, trained_context: int, rope_extension: bool) -> InfiniteHiPConfig:
+        """This config for a model trained on ``trained_context`` tokens, served with RoPE
+        extension on or off: ``decode_stages`` ``"auto"`` resolved (:data:`DECODE_SPAN_SHARE`)."""
+        if self.decode_stages != "auto":
             return self
-        return dataclasses.replace(self, stages=self.decode_stages, decode_stages=None)
+        span = self.sink_tokens + _5K_STAGES[-1].keep_tokens + self.window_tokens
+        fits = not rope_extension or span <= trained_context * DECODE_SPAN_SHARE
+        return dataclasses.replace(self, decode_stages=_5K_STAGES if fits else None)
 
     @property
     def block_size_k(self) -> int:
@@ -349,7 +372,7 @@ class InfiniteHiPConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["stages"] = [dataclasses.asdict(s) for s in self.stages]
-        out["decode_stages"] = (None if self.decode_stages is None
+        out["decode_stages"] = (self.decode_stages if self.decode_stages in (None, "auto")
                                 else [dataclasses.asdict(s) for s in self.decode_stages])
         out["refresh_intervals"] = list(self.refresh_intervals)
         out["dense_layers"] = list(self.dense_layers)
@@ -362,7 +385,8 @@ class InfiniteHiPConfig:
                 f"(b_q={s.block_size_q}/{s.query_stride}, l_c={s.chunk_size}, k={s.keep_tokens})"
                 for s in stages) + "]"  # fmt: skip
 
-        decode = "stages" if self.decode_stages is None else listed(self.decode_stages)
+        decode = ("stages" if self.decode_stages is None else "auto"
+                  if self.decode_stages == "auto" else listed(self.decode_stages))
         return (
             f"preset={self.preset} sink={self.sink_tokens} window={self.window_tokens} "
             f"stages={listed(self.stages)} decode_stages={decode} "
@@ -484,7 +508,7 @@ class InfiniteHiPConfig:
         if "stages" in raw and "decode_stages" not in raw:
             values["decode_stages"] = None
         decode = values.get("decode_stages")
-        kwargs["decode_stages"] = None if decode is None else tuple(
+        kwargs["decode_stages"] = decode if decode in (None, "auto") else tuple(
             _stage(s, i, "decode_stages")
             for i, s in enumerate(_list(decode, "infinitehip.decode_stages")))  # fmt: skip
         kwargs["refresh_intervals"] = tuple(
@@ -512,8 +536,12 @@ class InfiniteHiPConfig:
         else:
             config = _parsed(key)
         model = getattr(vllm_config, "model_config", None)
+        if model is None:
+            return config
         layers = getattr(getattr(model, "hf_text_config", None), "num_hidden_layers", None)
-        return config if layers is None else config.for_layers(int(layers))
+        if layers is not None:
+            config = config.for_layers(int(layers))
+        return config.for_model(*trained_and_extension(config, model))
 
     def for_layers(self, num_layers: int) -> InfiniteHiPConfig:
         """This config for a model of ``num_layers`` layers: negative ``dense_layers`` counted
@@ -536,17 +564,20 @@ class InfiniteHiPConfig:
     def validate(self) -> None:
         """Cross-field consistency; raises :class:`InfiniteHiPConfigError` naming the field."""
         named = [("stages", self.stages)]
-        if self.decode_stages is not None:
+        if self.decode_stages == "auto":  # the 5K stages, or ``stages`` (:meth:`for_model`)
+            named.append(("decode_stages", _5K_STAGES))
+        elif self.decode_stages is not None:
             named.append(("decode_stages", self.decode_stages))
         for name, stages in named:
             _check_stages(stages, name, self.window_tokens, self.dense_layer_keep_tokens)
-        decode_name, decode = named[-1]
-        if len(self.refresh_intervals) != len(decode):
-            raise InfiniteHiPConfigError(
-                f"`infinitehip.refresh_intervals` has {len(self.refresh_intervals)} entries but "
-                f"there are {len(decode)} `infinitehip.{decode_name}`: give one interval per "
-                f"decode stage"
-            )
+        for decode_name, decode in named if self.decode_stages == "auto" else named[-1:]:
+            if len(self.refresh_intervals) != len(decode):
+                raise InfiniteHiPConfigError(
+                    f"`infinitehip.refresh_intervals` has {len(self.refresh_intervals)} entries "
+                    f"but there are {len(decode)} `infinitehip.{decode_name}`"
+                    + (" (the 5K stages of \"auto\")" if decode is _5K_STAGES else "")
+                    + ": give one interval per decode stage"
+                )
         for i in range(1, len(self.refresh_intervals)):
             if self.refresh_intervals[i] > self.refresh_intervals[i - 1]:
                 raise InfiniteHiPConfigError(
@@ -618,6 +649,16 @@ def _check_stages(
             f"multiple of the last stage's chunk_size={stages[-1].chunk_size} "
             f"(`infinitehip.{name}[{len(stages) - 1}]`)"
         )
+
+
+def trained_and_extension(config: InfiniteHiPConfig, model_config: Any) -> tuple[int, bool]:
+    """The model's trained length and whether RoPE extension is on for this served length."""
+    trained = (
+        config.trained_context
+        or getattr(model_config.hf_text_config, "max_position_embeddings", None)
+        or model_config.max_model_len
+    )
+    return trained, config.extends_rope(model_config.max_model_len, trained)
 
 
 @functools.lru_cache(maxsize=64)
