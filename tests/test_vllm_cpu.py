@@ -292,14 +292,14 @@ def test_decode_prunes_with_decode_stages_and_not_stages(tiny_model, tmp_path):
 
 def test_prefill_stages_leave_decode_unchanged_with_rope_extension(tiny_model, tmp_path):
     """With prefill dense, what ``stages`` say must not reach decode, also with RoPE extension
-    on, where decode prunes at remapped positions and some rows attend remapped (prompts on
-    both sides of ``trained_context``): two engines that differ only in ``stages`` give the
-    same greedy tokens, with decode pruning in both."""
+    on, where decode prunes at remapped positions and a row past ``trained_context`` attends
+    remapped (the prompts, 2605 and 3765 tokens, lie on both sides of it): two engines that
+    differ only in ``stages`` give the same greedy tokens, with decode pruning in both."""
     small = SMALL_HIP["stages"]
     wide = [{**small[0], "keep_tokens": 2048}, {**small[1], "keep_tokens": 1024},
             {**small[2], "chunk_size": 16, "keep_tokens": 512}]
     hip = {**SMALL_HIP, "dense_threshold": 64, "prefill_dense_threshold": 1 << 20,
-           "rope_extension": True, "trained_context": 1280, "decode_stages": small}
+           "rope_extension": True, "trained_context": 3072, "decode_stages": small}
     prompts = [long_prompt(900, "rho"), long_prompt(1300, "tau")]
     runs = {}
     for name, stages in (("prefill-small", small), ("prefill-wide", wide)):
