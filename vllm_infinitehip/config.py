@@ -570,13 +570,15 @@ class InfiniteHiPConfig:
             named.append(("decode_stages", self.decode_stages))
         for name, stages in named:
             _check_stages(stages, name, self.window_tokens, self.dense_layer_keep_tokens)
-        for decode_name, decode in named if self.decode_stages == "auto" else named[-1:]:
+        # "auto" may decode with either list (for_model), so the intervals must fit both
+        auto = self.decode_stages == "auto"
+        for decode_name, decode in named if auto else named[-1:]:
             if len(self.refresh_intervals) != len(decode):
+                what = " (the 5K stages of \"auto\")" if auto and decode_name != "stages" else ""
                 raise InfiniteHiPConfigError(
                     f"`infinitehip.refresh_intervals` has {len(self.refresh_intervals)} entries "
-                    f"but there are {len(decode)} `infinitehip.{decode_name}`"
-                    + (" (the 5K stages of \"auto\")" if decode is _5K_STAGES else "")
-                    + ": give one interval per decode stage"
+                    f"but there are {len(decode)} `infinitehip.{decode_name}`{what}: give one "
+                    "interval per decode stage"
                 )
         for i in range(1, len(self.refresh_intervals)):
             if self.refresh_intervals[i] > self.refresh_intervals[i - 1]:
