@@ -308,6 +308,11 @@ def test_prefill_stages_leave_decode_unchanged_with_rope_extension(tiny_model, t
                 "report": True}  # fmt: skip
         runs[name] = generate_in_subprocess(tiny_model, "infinitehip", spec, tmp_path, name)
     assert runs["prefill-small"]["tokens"] == runs["prefill-wide"]["tokens"]
+    # the tiny model's tokens move little with the masks; the pairs decode attended follow
+    # the decode budget exactly (prefill is dense: every sparse pair is decode's)
+    small_run, wide_run = runs["prefill-small"], runs["prefill-wide"]
+    assert (small_run["report"]["stats"]["sparse_attended_pairs"]
+            == wide_run["report"]["stats"]["sparse_attended_pairs"])  # fmt: skip
     for run in runs.values():
         counts = run["report"]["stats"]
         assert counts["sparse_prefill_queries"] == 0
@@ -334,6 +339,8 @@ def test_auto_decode_stages_resolve_against_the_served_model(tiny_model, tmp_pat
     assert runs["auto-16k"]["report"]["stats"]["sparsity"] == 0.0
     assert runs["auto-1280"]["report"]["stats"]["sparsity"] > 0.3
     assert runs["auto-1280"]["tokens"] == runs["stages-1280"]["tokens"]
+    assert (runs["auto-1280"]["report"]["stats"]["sparse_attended_pairs"]
+            == runs["stages-1280"]["report"]["stats"]["sparse_attended_pairs"])  # fmt: skip
 
 
 def test_bad_config_raises_naming_the_field(tiny_model):
