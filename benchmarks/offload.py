@@ -138,6 +138,7 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
         # where a step's time goes: GPU time by kernel (graphs included) and the idle share
         host_share, kernels = decode_profile(call, [prompt], engine_s / DECODE_TOKENS)
         rows.append({
+            "model": common.model_name(model),
             "context": ctx, "kv_dtype": kv, "offload": layout != "off", "layout": layout,
             "bank_gib": gib if layout == "host" else None,
             "gpu_gib": gib if layout == "split" else None,
