@@ -156,6 +156,7 @@ def run_engine(model: str, name: str, contexts: list[int], max_len: int, host_gi
             "hit_ratio_attn_refresh": _round(tier.get("hit_ratio_attn_refresh")),
             "hit_ratio_attn_reuse": _round(tier.get("hit_ratio_attn_reuse")),
             "host_bytes_per_step": round(tier["host_bytes_per_step"]) if tier else 0,
+            "tier_pages_per_step": tier_pages_per_step(tier),
             "host_share": round(host_share, 3), "kernel_us_per_step": kernels,
             "tokens": tokens,
         })  # fmt: skip
@@ -183,6 +184,18 @@ def steady_decode_seconds(call, prompts) -> tuple[float, float]:
     long = statistics.median(engine_s(WARM_TOKENS + DECODE_TOKENS + 1) for _ in range(2))
     steady = long - short
     return steady, short - WARM_TOKENS * steady / DECODE_TOKENS
+
+
+def tier_pages_per_step(tier: dict) -> float | None:
+    """Pages decode attention read through the tier per step, all layers (bank or host): in
+    the host layout every page the masks select; in the split layout only the host-homed ones,
+    so 0 means no step read V from the host side, as opposed to reads that all missed."""
+    if not tier:
+        return None
+    steps = tier["decode_layer_steps"] / max(1, tier["layers"])
+    reads = sum(tier[f"attn_{where}_pages_{kind}"] for where in ("bank", "host")
+                for kind in ("refresh", "reuse"))  # fmt: skip
+    return round(reads / steps, 1) if steps else 0.0
 
 
 def _round(x: float | None) -> float | None:
@@ -228,7 +241,7 @@ COLUMNS = ["context", "kv_dtype", "layout", "bank_gib", "gpu_gib", "gpu_kv_gib",
            "prefill_s",
            "decode_tok_s", "decode_ratio_vs_tier_off", "decode_tok_s_steady",
            "decode_ratio_steady_vs_tier_off", "cold_start_s", "hit_ratio_mask", "hit_ratio_promote",
-           "hit_ratio_attn",
+           "hit_ratio_attn", "tier_pages_per_step",
            "host_bytes_per_step", "greedy_equal_to_tier_off"]  # fmt: skip
 
 

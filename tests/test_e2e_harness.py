@@ -157,3 +157,35 @@ def test_offload_engines_name_a_layout_the_config_accepts(name, layout, gib, ban
         assert cfg.layout == layout and cfg.host_gib == 80.0
         assert (cfg.bank_gib if layout == "host" else cfg.gpu_gib) == gib
         assert cfg.bank_gib == bank
+
+
+def test_offload_counts_split_reads_of_host_homed_pages_only():
+    """``tier_pages_per_step`` from a real split layout's V bank (CPU): a step whose rows read
+    only GPU-homed pages counts 0 pages, not 0 hits of many reads; one that reads host-homed
+    pages counts each of them, every layer."""
+    import offload  # noqa: E402  (benchmarks/offload.py)
+    import torch
+
+    from vllm_infinitehip.block_manager.split_kv import SplitKV
+    from vllm_infinitehip.metrics import tier_ratios
+
+    layers, blocks, gpu_pages = 2, 16, 4
+    split = SplitKV(layers, blocks, gpu_pages, (1, 1, 1), torch.float32, torch.device("cpu"),
+                    bank_slots=3)  # fmt: skip
+    split.place(range(gpu_pages), {"r": list(range(gpu_pages))})
+    split.place(range(gpu_pages, 8), {"r": list(range(8))})  # four victims' V to the host
+    host_homed = [b for b in range(8) if split.home[b] < 0]
+    assert len(host_homed) == 4 and split.spilled_blocks == 4
+    split.bank.allocate_plan(4, 0)
+    rows = torch.ones(1, dtype=torch.bool)
+
+    def step(pages: list[int]) -> float | None:
+        read = torch.tensor(pages).view(1, 1, -1).expand(layers, 1, -1)
+        split.plan_reads(read, rows, rows, fill_entries=len(pages))
+        tier = split.bank.stats(reset=True)
+        return offload.tier_pages_per_step({**tier, **tier_ratios(tier)})
+
+    gpu_homed = [b for b in range(8) if split.home[b] >= 0]
+    assert step(gpu_homed[:3]) == 0.0
+    assert step(host_homed[:2] + gpu_homed[:1]) == 2 * layers
+    assert offload.tier_pages_per_step({}) is None
