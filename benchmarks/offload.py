@@ -16,7 +16,9 @@ process. Per context and engine:
   ``hit_ratio_attn`` (decode attention's page reads served by the bank), ``hit_ratio_mask``
   (the pruning stages' probes served by the key-row bank, refresh steps), ``hit_ratio_promote``
   (pages a refresh asked for that were already resident), ``host_bytes_per_step`` (attention's
-  and pruning's host reads plus the copies into both banks);
+  and pruning's host reads plus the copies into both banks), ``tier_pages_per_step`` (pages
+  attention read through the tier per step, all layers: with the split layout only the
+  host-homed ones, from their bank copies or the host);
 - ``host_share`` and ``kernel_us_per_step``: as in ``e2e.py`` (``e2e.decode_profile``).
 
 The compiling warm-up call is excluded from every timing. Results: ``offload-gpu.json`` (a rerun
