@@ -11,7 +11,8 @@ process. Per context and engine:
   files before 2026-12-02 reported as ``decode_tok_s``; unreliable at long contexts), each the
   median of three (``e2e.decode_seconds``);
 - the greedy tokens of one 129-token call, compared across engines of the same context
-  (``greedy_equal_to_tier_off``);
+  (``greedy_equal_to_tier_off``; past what the tier off holds, ``greedy_equal_to_more_gpu``:
+  against the engine that kept the most KV on the GPU);
 - with the tier on, its counters over the timed decode calls (the ``infinitehip_stats`` worker method):
   ``hit_ratio_attn`` (decode attention's page reads served by the bank), ``hit_ratio_mask``
   (the pruning stages' probes served by the key-row bank, refresh steps), ``hit_ratio_promote``
@@ -206,16 +207,25 @@ def _round(x: float | None) -> float | None:
 
 def compare(rows: list[dict]) -> None:
     """``greedy_equal_to_tier_off`` and the decode ratio against the tier-off row of the same
-    context and KV dtype."""
+    context and KV dtype. Where the tier off has no row (a context it cannot hold),
+    ``greedy_equal_to_more_gpu``: against the engine of that context and dtype that kept the
+    most KV on the GPU, when another one kept more than this one."""
     off = {(r["context"], r["kv_dtype"]): r for r in rows if not r["offload"]}
     for r in rows:
-        base = off.get((r["context"], r["kv_dtype"]))
+        cell = (r["context"], r["kv_dtype"])
+        base = off.get(cell)
         r["greedy_equal_to_tier_off"] = (
             (r["tokens"] == base["tokens"]) if base and r["offload"] else None
         )
         for key in ("decode_tok_s", "decode_tok_s_steady"):
             ratio = key.replace("decode_tok_s", "decode_ratio") + "_vs_tier_off"
             r[ratio] = round(r[key] / base[key], 3) if base and base.get(key) else None
+        more = [o for o in rows if (o["context"], o["kv_dtype"]) == cell
+                and o.get("gpu_kv_gib", 0) > r.get("gpu_kv_gib", 0)]  # fmt: skip
+        r["greedy_equal_to_more_gpu"] = (
+            r["tokens"] == max(more, key=lambda o: o["gpu_kv_gib"])["tokens"]
+            if more and base is None else None
+        )
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -244,7 +254,8 @@ COLUMNS = ["context", "kv_dtype", "layout", "bank_gib", "gpu_gib", "gpu_kv_gib",
            "decode_tok_s", "decode_ratio_vs_tier_off", "decode_tok_s_steady",
            "decode_ratio_steady_vs_tier_off", "cold_start_s", "hit_ratio_mask", "hit_ratio_promote",
            "hit_ratio_attn", "tier_pages_per_step",
-           "host_bytes_per_step", "greedy_equal_to_tier_off"]  # fmt: skip
+           "host_bytes_per_step", "greedy_equal_to_tier_off",
+           "greedy_equal_to_more_gpu"]  # fmt: skip
 
 
 def table(rows: list[dict]) -> str:

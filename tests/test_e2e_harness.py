@@ -189,3 +189,23 @@ def test_offload_counts_split_reads_of_host_homed_pages_only():
     assert step(gpu_homed[:3]) == 0.0
     assert step(host_homed[:2] + gpu_homed[:1]) == 2 * layers
     assert offload.tier_pages_per_step({}) is None
+
+
+def test_offload_compares_a_context_the_tier_off_cannot_hold_with_more_gpu_kv():
+    """Where the tier off has a row, greedy tokens and decode ratios are against it; where it
+    has none, each engine's tokens are against the one that kept the most KV on the GPU."""
+    import offload  # noqa: E402  (benchmarks/offload.py)
+
+    def row(engine, ctx, on, gpu, tokens, tok_s=100.0):
+        return {"engine": engine, "context": ctx, "kv_dtype": "fp8", "offload": on,
+                "gpu_kv_gib": gpu, "tokens": tokens, "decode_tok_s": tok_s,
+                "decode_tok_s_steady": tok_s}  # fmt: skip
+
+    rows = [row("fp8-off", 1, False, 32.0, [1, 2], 200.0),
+            row("fp8-split:24", 1, True, 19.0, [1, 2]), row("fp8-split", 3, True, 100.0, [5, 6]),
+            row("fp8-split:40", 3, True, 35.0, [5, 6]), row("fp8-split:20", 3, True, 20.0, [5, 7])]
+    offload.compare(rows)
+    assert [r["greedy_equal_to_tier_off"] for r in rows] == [None, True, None, None, None]
+    assert rows[1]["decode_ratio_vs_tier_off"] == 0.5
+    # 1: the tier off answers for it; 3: the largest GPU side is the reference of the others
+    assert [r["greedy_equal_to_more_gpu"] for r in rows] == [None, None, None, True, False]
