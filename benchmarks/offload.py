@@ -190,15 +190,10 @@ def steady_decode_seconds(call, prompts) -> tuple[float, float]:
 
 
 def tier_pages_per_step(tier: dict) -> float | None:
-    """Pages decode attention read through the tier per step, all layers (bank or host): in
-    the host layout every page the masks select; in the split layout only the host-homed ones,
-    so 0 means no step read V from the host side, as opposed to reads that all missed."""
-    if not tier:
-        return None
-    steps = tier["decode_layer_steps"] / max(1, tier["layers"])
-    reads = sum(tier[f"attn_{where}_pages_{kind}"] for where in ("bank", "host")
-                for kind in ("refresh", "reuse"))  # fmt: skip
-    return round(reads / steps, 1) if steps else 0.0
+    """``metrics.tier_ratios``' ``attn_pages_per_step`` for a row: pages decode attention read
+    through the tier per step (in the split layout only the host-homed ones); None without the
+    tier."""
+    return round(tier["attn_pages_per_step"], 1) if tier else None
 
 
 def _round(x: float | None) -> float | None:
@@ -220,11 +215,10 @@ def compare(rows: list[dict]) -> None:
         for key in ("decode_tok_s", "decode_tok_s_steady"):
             ratio = key.replace("decode_tok_s", "decode_ratio") + "_vs_tier_off"
             r[ratio] = round(r[key] / base[key], 3) if base and base.get(key) else None
-        more = [o for o in rows if (o["context"], o["kv_dtype"]) == cell
-                and o.get("gpu_kv_gib", 0) > r.get("gpu_kv_gib", 0)]  # fmt: skip
+        more = [] if base else [o for o in rows if (o["context"], o["kv_dtype"]) == cell
+                                and o.get("gpu_kv_gib", 0) > r.get("gpu_kv_gib", 0)]  # fmt: skip
         r["greedy_equal_to_more_gpu"] = (
-            r["tokens"] == max(more, key=lambda o: o["gpu_kv_gib"])["tokens"]
-            if more and base is None else None
+            r["tokens"] == max(more, key=lambda o: o["gpu_kv_gib"])["tokens"] if more else None
         )
 
 

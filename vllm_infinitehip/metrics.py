@@ -157,9 +157,11 @@ def tier_ratios(tier: dict[str, int]) -> dict[str, float]:
     """Hit ratios and host traffic of the host tier from its summed counters
     (``block_manager.bank.Bank.stats``): the decode attention's reads split into refresh and
     reuse steps, the promotions' hits, the pruning stages' probes served by the key-row bank
-    (``hit_ratio_mask``: GPU only, refresh steps only, since only they prune), and bytes read
+    (``hit_ratio_mask``: GPU only, refresh steps only, since only they prune), bytes read
     from the host per decode step (all layers: attention reads of pages not in the bank, probes
-    of rows not in the key-row bank, and the copies into both)."""
+    of rows not in the key-row bank, and the copies into both), and the pages attention read
+    through the tier per decode step (``attn_pages_per_step``, all layers, bank or host: in the
+    split layout only the host-homed ones, so 0 means no such read rather than all missed)."""
 
     def ratio(hit: int, miss: int) -> float:
         return hit / (hit + miss) if hit + miss else 0.0
@@ -176,6 +178,7 @@ def tier_ratios(tier: dict[str, int]) -> dict[str, float]:
                            if "key_row_hits" in tier else None),
         "host_bytes_per_step": ((tier["host_read_bytes"] + tier.get("key_row_host_bytes", 0))
                                 / steps if steps else 0.0),
+        "attn_pages_per_step": (bank_r + host_r + bank_u + host_u) / steps if steps else 0.0,
     }
 
 
