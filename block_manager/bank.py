@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from vllm_infinitehip.block_manager.page_cache import PageCache
+from vllm_infinitehip.block_manager.page_cache import PageCache, Promotion
 
 # Bank.counters entries: pages the sparse decode rows read from the bank / the host (counted when
 # the step is planned, from the masks it starts with), for rows that refresh this step and rows
@@ -131,12 +131,12 @@ class Bank:
         self.write_slots = torch.full((layers, max_tokens), -1, **i64)
 
     def plan_promotion(self, pages: torch.Tensor, promote: torch.Tensor,
-                       refreshing: torch.Tensor) -> None:  # fmt: skip
+                       refreshing: torch.Tensor) -> Promotion:  # fmt: skip
         """Once per decode step, for every layer: rows with ``promote[b]`` make the pages they
         read (``pages [L, B, P]``, from :func:`decode_read_pages`) resident, and the fills land
         in :attr:`fill_pages` / :attr:`fill_slots` for each layer to copy before it reads. Then
         the rows' reads are counted as bank or host reads (``refreshing[b]``: this step reruns
-        the row's stages)."""
+        the row's stages). Returns the promotion (what changed in the residency tables)."""
         layers, b, p = pages.shape
         # column by column: every row's sink pages, then windows, then final blocks, so that one
         # row's final blocks never take the slots another row's window needs
@@ -161,6 +161,7 @@ class Bank:
             torch.full((), layers, dtype=torch.int64, device=pages.device),
         ])  # fmt: skip
         self.counters += counts
+        return promotion
 
     def clear_fills(self) -> None:
         self.fill_slots.fill_(-1)

@@ -34,11 +34,14 @@ _NEVER = torch.iinfo(torch.int64).max  # the sort key of a slot a call must not 
 class Promotion:
     """What one :meth:`PageCache.promote` call decided, as fixed-shape device tensors of the
     request's length ``N`` (``[layers, N]`` for :meth:`PageCache.promote_all`): the fills to copy
-    (``fill_pages[i] -> fill_slots[i]``, -1 where entry ``i`` fills nothing), and the hit and
-    miss counts over the call's distinct pages."""
+    (``fill_pages[i] -> fill_slots[i]``, -1 where entry ``i`` fills nothing), the page each fill
+    evicted (``evicted[i]``, -1 where it took an empty slot or fills nothing), and the hit and
+    miss counts over the call's distinct pages. The fills and the evictions are every change
+    the call made to the table."""
 
     fill_pages: torch.Tensor
     fill_slots: torch.Tensor
+    evicted: torch.Tensor
     hits: torch.Tensor
     misses: torch.Tensor
 
@@ -87,7 +90,7 @@ class PageCache:
         as the bank allows, evicting least recently used slots that this call does not use.
         Updates the table, owners, stamps and counters; returns the fills to copy."""
         p = self._promote(slice(layer, layer + 1), pages.view(1, -1))
-        return Promotion(p.fill_pages[0], p.fill_slots[0], p.hits[0], p.misses[0])
+        return Promotion(p.fill_pages[0], p.fill_slots[0], p.evicted[0], p.hits[0], p.misses[0])
 
     def promote_all(self, pages: torch.Tensor) -> Promotion:
         """:meth:`promote` for every layer at once: ``pages`` is ``[layers, N]``, and so are the
@@ -134,7 +137,8 @@ class PageCache:
         fill_page = torch.where(take, pages, self.num_pages)
         # the evicted pages leave the table, then the new ones enter
         old = owner.gather(1, fill_slot).long()
-        table.scatter_(1, torch.where(take & (old >= 0), old, self.num_pages), -1)
+        evicted = take & (old >= 0)
+        table.scatter_(1, torch.where(evicted, old, self.num_pages), -1)
         table.scatter_(1, fill_page, fill_slot.to(torch.int32))
         owner.scatter_(1, fill_slot, fill_page.to(torch.int32))
         stamp.scatter_(1, fill_slot, stamps_now)
@@ -143,8 +147,9 @@ class PageCache:
         self.hits[rows] += n_hits
         self.misses[rows] += n_misses
         return Promotion(
-            torch.where(take, pages, -1), torch.where(take, victim, -1), n_hits, n_misses
-        )
+            torch.where(take, pages, -1), torch.where(take, victim, -1),
+            torch.where(evicted, old, -1), n_hits, n_misses,
+        )  # fmt: skip
 
     def _table_index(self, pages: torch.Tensor) -> torch.Tensor:
         """Table columns of ``pages``; padding (-1) maps to the spare column."""

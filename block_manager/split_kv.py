@@ -79,12 +79,18 @@ class SplitKV:
         if not spills:
             return spills
         dev = self.home.device
+        layers, host_pages = self.v_host.shape[:2]
+        layer = torch.arange(layers, device=dev).view(layers, 1)
         gpu = torch.tensor([s.gpu_page for s in spills], dtype=torch.long, device=dev)
-        host = torch.tensor([s.host_page for s in spills], dtype=torch.long,
-                            device=self.v_host.device)  # fmt: skip
+        host = torch.tensor([s.host_page for s in spills], dtype=torch.long, device=dev)
         # the victims' V, every layer, to the host pages the new blocks leave; enqueued before
-        # the step writes the new blocks into those GPU pages
-        self.v_host[:, host] = self.v_dev[:, gpu].to(self.v_host.device)
+        # the step writes the new blocks into those GPU pages. Whole pages per program, in wide
+        # stores: an indexed assignment writes host memory an element at a time over the bus
+        page = self.v_dev.shape[2:]
+        copy_pages(
+            self.v_dev.view(-1, *page), self.v_host.view(-1, *page),
+            (layer * self.v_dev.shape[1] + gpu).view(-1), (layer * host_pages + host).view(-1),
+        )  # fmt: skip
         moved = [s.block for s in spills] + [int(self.homes.gpu_block[s.gpu_page])
                                              for s in spills]  # fmt: skip
         blocks = torch.tensor(moved, dtype=torch.long, device=dev)
@@ -114,7 +120,7 @@ class SplitKV:
         bank = self.bank
         valid = pages >= 0
         on_host = valid & (self.home[pages.clamp(min=0).long()] < 0)
-        bank.plan_promotion(torch.where(on_host, pages, -1), promote, refreshing)
+        promotion = bank.plan_promotion(torch.where(on_host, pages, -1), promote, refreshing)
         layers, host_pages = self.v_host.shape[:2]
         fill_blocks = bank.fill_pages[:, :fill_entries]
         fill_slots = bank.fill_slots[:, :fill_entries]
@@ -127,13 +133,18 @@ class SplitKV:
             self.v_host.view(-1, *page), self.v_dev.view(-1, *page),
             torch.where(take, src, 0).view(-1), torch.where(take, dst, -1).view(-1),
         )  # fmt: skip
-        self._retable()
+        self._retable(torch.cat([promotion.evicted, promotion.fill_pages], 1))
 
-    def _retable(self) -> None:
-        """Each layer reads a host-homed block from its bank copy when it has one."""
-        copies = self.bank.cache.table[:, : self.home.shape[0]]
-        torch.where((self.home < 0) & (copies >= 0), copies + self.homes.gpu_pages, self.home,
-                    out=self.table)  # fmt: skip
+    def _retable(self, blocks: torch.Tensor) -> None:
+        """Each layer reads a host-homed block from its bank copy when it has one, for the
+        blocks ``[L, n]`` whose copies a promotion filled or evicted (-1 padding): the only
+        entries it changed, so the step's cost follows its reads, not the pool's size."""
+        # padding recomputes block 0's entry, which it leaves as it is
+        idx = blocks.clamp(min=0)
+        copies = self.bank.cache.table.gather(1, idx)
+        home = self.home[idx]
+        self.table.scatter_(1, idx, torch.where((home < 0) & (copies >= 0),
+                                                copies + self.homes.gpu_pages, home))  # fmt: skip
 
     def zero(self, blocks: Sequence[int]) -> None:
         """vLLM's ``new_block_ids_to_zero``, through the homes."""

@@ -100,6 +100,7 @@ def test_lru_matches_the_model_and_loses_nothing(seed):
             asked = {p for p in pages if p >= 0}
             evicted = {p for p in before if p not in model.table[layer]}
             assert not evicted & asked, "a call evicted a page it asked for"
+            assert sorted(p for p in got.evicted.tolist() if p >= 0) == sorted(evicted)
             saw_eviction |= bool(evicted)
             if len(asked) <= num_slots:
                 assert asked <= set(model.table[layer]), "a page that fits was left out"

@@ -78,6 +78,11 @@ def test_random_traffic_reads_back_what_the_whole_cache_holds(seed, bank_slots):
             pages[:, :, -1] = -1  # padding
             kv.plan_reads(pages, torch.tensor([True]), torch.tensor([rng.random() < 0.5]), 8)
             on_host = kv.home < 0
+            # the tables follow the homes and the bank's copies over the whole pool, though
+            # each step rewrites only what its promotion changed
+            copy = kv.bank.cache.table[:, :n]
+            want = torch.where(on_host & (copy >= 0), copy + gpu_pages, kv.home)
+            assert torch.equal(kv.table, want), step
             copies = (kv.table >= gpu_pages) & on_host
             copies_read += int(copies.sum())
             # a layer's table holds a copy only of a host-homed block it promoted and kept
