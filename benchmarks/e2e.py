@@ -64,7 +64,7 @@ DEFAULT_MODEL = "meta-llama/Meta-Llama-3-8B"
 
 
 ENGINE_MODIFIERS = ("ext", "vllm-scheduler", "mp", "qb128", "qb256", "bk16", "tp2", "ray",
-                    "rules", "paper", "extend", "landmark")
+                    "rules", "paper", "extend", "landmark", "group")
 # ``+rules``: the selection rules that are not the paper's (z-score head ranking, exact last
 # stage, window candidates dropped at every stage, pruning remapped below the trained length);
 # ``+paper``: the paper's (and this plugin's before them); ``+extend``: reused decode blocks
@@ -98,7 +98,8 @@ def engine_spec(name: str, max_len: int, trained: int | None = None) -> dict:
     ``stages``; a preset's ``decode_stages`` (``3k-5k``'s) stay as they are. ``+rules`` /
     ``+paper``: the selection rules set one way or the other, ``+extend``: reused decode
     blocks read past their end (:data:`SELECTION_RULES`). ``+landmark``: the prefill's
-    stages score chunks by landmark representatives. ``+tp2`` (also on
+    stages score chunks by landmark representatives; ``+group``: the query heads of a KV
+    group bisect one path in the prefill's stages. ``+tp2`` (also on
     ``flash_attn``): tensor parallelism over two GPUs, with vLLM's ``mp`` executor, or with
     ``+ray`` its Ray executor (``--distributed-executor-backend ray``, a local Ray cluster)."""
     kw = dict(load_format="dummy", dtype="bfloat16", max_model_len=max_len,
@@ -141,6 +142,8 @@ def engine_spec(name: str, max_len: int, trained: int | None = None) -> dict:
                 dataclasses.asdict(st) for st in decode]  # fmt: skip
     if "landmark" in mods:  # prefill pruning by landmark representatives
         hip["prefill_representatives"] = "landmark"
+    if "group" in mods:  # prefill pruning, one bisection path per KV group
+        hip["prefill_representatives"] = "group-bisection"
     if "vllm-scheduler" in mods:  # async scheduling is on for these engines
         kw["scheduler_cls"] = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
     return {**kw, "attention_backend": "infinitehip", "additional_config": {"infinitehip": hip}}

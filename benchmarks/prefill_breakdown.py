@@ -19,6 +19,7 @@ prefill of the same chunk as the reference in the same run:
   landmark representatives (``prefill_representatives``): the chunk's landmark addition
   (``landmark_ms``, in the pruning time; the earlier chunks' additions made before, with the
   chunk's queries standing in for theirs) and ``final_overlap`` against bisection's blocks;
+  ``group-bisection``: the query heads of a KV group bisecting one path;
 - with ``--first-stage-block 64 128 256``, the same with the first pruning stage scoring query
   blocks of that many queries (``query_stride`` scaled to keep 16 pooled queries; the later
   stages keep 64: neighbouring blocks share the first stage's work), and ``final_overlap``: the
@@ -107,7 +108,8 @@ def landmark_layer(t: int, cfg: InfiniteHiPConfig, layer, scale: float):
 
 
 def run_mode(t: int, cfg: InfiniteHiPConfig, layer, mode: str) -> dict:
-    params = ab.prune_params(cfg)
+    params = dataclasses.replace(
+        ab.prune_params(cfg), group_probes=cfg.prefill_representatives == "group-bisection")
     if mode != "off":
         rope = ref.RopePlan(RopeTable.default(ab.D, 500000.0), pruning=mode, bsa="streaming")
         params = dataclasses.replace(params, rope=rope)
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--first-stage-block", type=int, nargs="+", default=[64],
                     help="query block sizes of the first pruning stage (the first is the base)")
-    ap.add_argument("--representatives", nargs="+", choices=["bisection", "landmark"],
+    ap.add_argument("--representatives", nargs="+", choices=["bisection", "group-bisection", "landmark"],
                     default=["bisection"], help="the prefill's chunk representatives "
                     "(config prefill_representatives; the first is the base of final_overlap)")
     ap.add_argument("--out", default=str(common.RESULTS))

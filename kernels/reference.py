@@ -108,6 +108,9 @@ class PruneParams:
     # Decode reads each selected block as many tokens past its end as steps have passed since
     # it was chosen, at most one block more (:func:`sparse_attention`'s ``extend_blocks``).
     extend_reused_blocks: bool = False
+    # The query heads of a KV group bisect one path per chunk (select_rep_scores'
+    # ``group_probes``): each probe key is read once for the group, not once per head.
+    group_probes: bool = False
 
     @property
     def block_size_q(self) -> int:
@@ -461,6 +464,7 @@ def select_rep_scores(
     head_reduction: str = "max",
     exact: bool = False,
     landmarks: torch.Tensor | None = None,
+    group_probes: bool = False,
 ) -> torch.Tensor:
     """Score every candidate chunk of every query block with SelectRep (§1.4).
 
@@ -485,11 +489,19 @@ def select_rep_scores(
     ranking (``head_reduction``: see :func:`reduce_heads`). Invalid or empty chunks score
     ``-inf``. Returns ``[n_blocks, C]`` float32.
 
+    ``group_probes`` (not with ``exact``, which scores per head as before): the query heads of
+    each KV group bisect one path per chunk, as if they were one head holding all their
+    queries: each step descends into the half whose probe scores higher over every query of
+    the group, and the group's best probe is its score, so the ranking reduces over KV heads.
+    A probe key is then read once for the group instead of once per query head.
+
     Query blocks are independent, so they are scored a group at a time, with the gathered
     probe keys of a group near ``SELECT_REP_GROUP_BYTES``: intermediates that size are reused
     by the allocator and stay in cache, where whole-request ones are fresh pages every bisection
     step (on 2 CPU cores that cost more than the arithmetic).
     """
+    if group_probes and not exact:
+        q_pooled, q_pooled_right = group_queries(q_pooled, k.shape[1], q_pooled_right)
     nb, hq, _, d = q_pooled.shape
     c = cand.starts.shape[1]
     if c == 0:
@@ -511,6 +523,21 @@ def select_rep_scores(
             num_keys, use_table, head_reduction, exact, landmarks,
         ))  # fmt: skip
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def group_queries(
+    q_pooled: torch.Tensor, num_kv_heads: int, q_pooled_right: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pooled queries ``[n_blocks, H_q, n_q, D]`` as ``[n_blocks, H_kv, G * n_q, D]``: the G
+    query heads of each KV group (query head ``h`` reads KV head ``h // G``) as one head
+    holding all their rows (``select_rep_scores``' ``group_probes``); the right-branch queries
+    alike."""
+    nb, hq, nq, d = q_pooled.shape
+    if hq % num_kv_heads:
+        raise ValueError(f"H_q={hq} must be a multiple of H_kv={num_kv_heads}")
+    shape = (nb, num_kv_heads, hq // num_kv_heads * nq, d)
+    right = None if q_pooled_right is None else q_pooled_right.reshape(shape)
+    return q_pooled.reshape(shape), right
 
 
 def _select_rep_group(
@@ -974,20 +1001,18 @@ def _stage_scores(
     """SelectRep scores of one stage, with the layer's RoPE style (§2) when it has one."""
     rope = params.rope
     how = params.head_reduction
+    kw = dict(head_reduction=how, exact=exact, landmarks=landmarks,
+              group_probes=params.group_probes)  # fmt: skip
     if rope is None or rope.pruning == "none":
-        return select_rep_scores(qp, k, cand, chunk_size, key_limit, params.probe,
-                                 head_reduction=how, exact=exact,
-                                 landmarks=landmarks)  # fmt: skip
+        return select_rep_scores(qp, k, cand, chunk_size, key_limit, params.probe, **kw)
     sw = params.scan_window
     if rope.pruning == "relative":
         q_left, q_right = relative_queries(qp, rope.table, sw)
         return select_rep_scores(q_left, k, cand, chunk_size, key_limit, params.probe,
-                                 q_pooled_right=q_right, head_reduction=how,
-                                 exact=exact, landmarks=landmarks)  # fmt: skip
+                                 q_pooled_right=q_right, **kw)  # fmt: skip
     delta = chunk_indexed_key_turn(cand.starts.shape[1], block_min_pos, sw)
     return select_rep_scores(qp, k, cand, chunk_size, key_limit, params.probe,
-                             chunk_rotation=(delta, rope.table), head_reduction=how,
-                             exact=exact, landmarks=landmarks)  # fmt: skip
+                             chunk_rotation=(delta, rope.table), **kw)  # fmt: skip
 
 
 def _block_scores(
@@ -1013,7 +1038,8 @@ def _block_scores(
         qp = pool_queries(true_qk[0], st.block_size_q, st.query_stride) * scale
         return select_rep_scores(qp, true_qk[1], cand, st.chunk_size, key_limit, params.probe,
                                  head_reduction=params.head_reduction, exact=exact,
-                                 landmarks=landmarks)  # fmt: skip
+                                 landmarks=landmarks,
+                                 group_probes=params.group_probes)  # fmt: skip
 
     if rope is None or rope.pruning == "none":
         return true_scores()

@@ -7,10 +7,11 @@ read through the block table where it lies. :func:`run_stages_paged` is the N-st
 with static shapes (§1.5), so the whole cascade runs without a host sync once ``seq_len`` is
 given.
 
-Kernel layout (§4): one program per (query block, tile of ``BLOCK_CHUNK`` chunks, query head).
-Every bisection step loads a ``[BLOCK_CHUNK, D]`` tile of probe keys per half and multiplies it
-with the block's ``[n_q, D]`` pooled queries; the per-head scores go to a ``[n_blocks, H_q, C]``
-buffer that torch max-reduces over heads, so programs never race and need no atomics.
+Kernel layout (§4): one program per (query block, tile of ``BLOCK_CHUNK`` chunks, query head;
+with ``group_probes`` KV head, its group's queries as its rows). Every bisection step loads a
+``[BLOCK_CHUNK, D]`` tile of probe keys per half and multiplies it with the block's ``[n_q, D]``
+pooled queries; the per-head scores go to a ``[n_blocks, H, C]`` buffer that torch reduces over
+heads, so programs never race and need no atomics.
 
 RoPE remapping (§2): vLLM caches keys rotated at their true positions. The kernel can rotate
 each probe key it reads by ``base[b, j] - t``, with angles from the float64-built tables of
@@ -435,6 +436,7 @@ def select_rep_scores_paged(
     head_reduction: str = "max",
     exact: bool = False,
     reps: tuple[torch.Tensor, int] | None = None,
+    group_probes: bool = False,
 ) -> torch.Tensor:
     """SelectRep chunk scores ``[n_blocks, C]`` float32, equal to ``reference.select_rep_scores``.
 
@@ -446,7 +448,10 @@ def select_rep_scores_paged(
     as ``block_rows``; ``H`` divides ``H_q``) holds it for every aligned chunk ``[sink + j *
     chunk_size, ...)`` (:func:`reference.landmark_table`), and a chunk is looked up by its
     ordinal, so candidate starts must be aligned so. This is the reference's ``landmarks`` for
-    every chunk that ends before its block's key limit.
+    every chunk that ends before its block's key limit. ``group_probes`` (not with ``exact``):
+    the query heads of each KV group bisect one path, as the reference's: one program per
+    (block, tile, KV head) holds the group's queries as its rows, so each probe key is read
+    once for the group (``per_head_out`` is then ``[n_blocks, H_kv, C]``).
 
     ``q_pooled`` is ``[n_blocks, H_q, n_q, D]``, already multiplied by the softmax scale; a row
     containing NaN is an absent query (as :func:`reference.pool_queries` produces) and takes no
@@ -513,6 +518,9 @@ def select_rep_scores_paged(
         )
     if hq % hkv:
         raise ValueError(f"H_q={hq} must be a multiple of H_kv={hkv}")
+    if group_probes and not exact:
+        q_pooled, q_pooled_right = ref.group_queries(q_pooled, hkv, q_pooled_right)
+        nb, hq, nq, d = q_pooled.shape
     if precision == "fast" and kv_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"precision='fast' needs fp16, bf16 or fp32 keys, not {kv_cache.dtype}")
     kv_cache, k_sc, _, kv_fp8 = kv_quant_args(kv_cache, k_scale, v_scale)
@@ -941,6 +949,7 @@ def run_stages_blocks(
                       q_pooled_right=q_right, block_rows=stage_blocks.row,
                       head_reduction=params.head_reduction,
                       exact=params.exact_last_stage and i == n_stages - 1,
+                      group_probes=params.group_probes,
                       reps=(rep_tables[st.chunk_size], params.sink_tokens)
                       if st.chunk_size in rep_tables else None)  # fmt: skip
         if turned_keys is None or (style == "chunk-indexed" and i > 0):

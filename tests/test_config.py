@@ -137,6 +137,18 @@ def test_selection_rules_parse_and_reach_the_layers():
     assert InfiniteHiPConfig.from_user(c.to_dict()) == c
 
 
+def test_group_bisection_reaches_prefill_params_and_not_decode_params():
+    from vllm_infinitehip.backend import layer_prune_params
+
+    c = InfiniteHiPConfig.from_user({"prefill_representatives": "group-bisection"})
+    assert layer_prune_params(c, 5, prefill=True).group_probes
+    assert not layer_prune_params(c.for_decode(), 5).group_probes
+    assert not layer_prune_params(InfiniteHiPConfig(), 5, prefill=True).group_probes
+    assert InfiniteHiPConfig.from_user(c.to_dict()) == c
+    with pytest.raises(InfiniteHiPConfigError, match="prefill_representatives"):
+        InfiniteHiPConfig.from_user({"prefill_representatives": "kv-group"})
+
+
 @pytest.mark.parametrize(
     "raw, field",
     [

@@ -102,6 +102,62 @@ def test_select_rep_probe_rules_by_hand():
     assert first.item() == 3.0
 
 
+def _group_bisection_oracle(q, k, starts, valid, chunk, limit):
+    """SelectRep with the query heads of each KV group on one path, one chunk at a time in
+    Python: the probe of each half scored by the max over every query of the group."""
+    nb, hq, _, _ = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    out = torch.full((nb, hkv, starts.shape[1]), float("-inf"))
+
+    def score(b, kv, t):
+        return max(float(q[b, h, i] @ k[t, kv]) for h in range(kv * g, (kv + 1) * g)
+                   for i in range(q.shape[2]))  # fmt: skip
+
+    for b in range(nb):
+        for kv in range(hkv):
+            for j, start in enumerate(starts[b].tolist()):
+                lo, hi = start, min(start + chunk, int(limit[b]))
+                if not valid[b, j] or lo >= hi:
+                    continue
+                best = float("-inf")
+                for _ in range(ref.bisect_steps(chunk)):
+                    if hi - lo <= 1:
+                        break
+                    mid = (lo + hi) // 2
+                    s_left, s_right = score(b, kv, (lo + mid) // 2), score(b, kv, (mid + hi) // 2)
+                    best = max(best, s_left if s_left > s_right else s_right)
+                    lo, hi = (lo, mid) if s_left > s_right else (mid, hi)
+                out[b, kv, j] = best if best > float("-inf") else score(b, kv, lo)
+    return out
+
+
+def test_group_probes_bisect_one_path_per_kv_group_as_a_brute_force_loop_does():
+    """``group_probes``: each KV group's query heads share a bisection path, scored by the max
+    over all their queries (a Python loop as the oracle); the ranking is the max over KV
+    heads. On these keys the shared paths score chunks differently from per-head paths."""
+    gen = torch.Generator().manual_seed(3)
+    nb, hq, hkv, nq, d, t, chunk = 3, 6, 2, 2, 8, 70, 16
+    q = torch.randn(nb, hq, nq, d, generator=gen)
+    k = torch.randn(t, hkv, d, generator=gen)
+    starts = torch.tensor([[0, 16, 32, 48, 64]] * nb)
+    valid = torch.ones(nb, 5, dtype=torch.bool)
+    valid[1, 2] = False
+    limit = torch.tensor([70, 70, 40])
+    cand = ref.Candidates(starts, valid)
+    got = ref.select_rep_scores(q, k, cand, chunk, limit, group_probes=True)
+    want = _group_bisection_oracle(q, k, starts, valid, chunk, limit).amax(dim=1)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5)
+    per_head = ref.select_rep_scores(q, k, cand, chunk, limit)
+    assert not torch.allclose(per_head[fin], got[fin])
+    # an exact stage scores every key per head either way
+    exact = ref.select_rep_scores(q, k, cand, chunk, limit, exact=True)
+    assert torch.equal(ref.select_rep_scores(q, k, cand, chunk, limit, exact=True,
+                                             group_probes=True), exact)  # fmt: skip
+
+
 def test_head_reductions_rank_a_sharp_heads_chunk_over_a_flat_heads_larger_score():
     inf = float("inf")
     # head 0: large, flat scores (its best, chunk 1, barely stands out); head 1: small scores

@@ -891,6 +891,44 @@ def test_all_selection_rules_prefill_cascade_equals_reference(pruning):
     assert_same_resume(params, q, k, cache, block_table, pos, scale, want)
 
 
+@pytest.mark.parametrize("pruning", [None, "relative", "chunk-indexed"])
+def test_group_probes_prefill_cascade_equals_reference(pruning):
+    """``group_probes`` (prefill_representatives "group-bisection") with the selection rules:
+    the kernel cascade, one program per KV head holding its group's queries, keeps what the
+    reference keeps, at true positions and with each RoPE style, and the first stage's scores
+    equal the reference's; the grouped first stage ranks chunks apart from the per-head one."""
+    import dataclasses
+
+    t, scale = 700, 0.18
+    k, q, pos, rope, cache, block_table = rotated_case(29, pruning)
+    params = dataclasses.replace(small_params("midpoint"), rope=rope, head_reduction="z-score",
+                                 exact_last_stage=True, drop_window_candidates=True,
+                                 group_probes=True)  # fmt: skip
+    want = ref.run_stages(params, q, k, pos, scale)
+    assert bool(want.block_valid.any())
+    got = tp.run_stages_paged(params, q.to(DEVICE), cache, block_table, pos.to(DEVICE), scale,
+                              seq_len=t)  # fmt: skip
+    assert_same_selection(got, want)
+    if pruning is None:
+        st = params.stages[0]
+        cand = want.stage_inputs[0]
+        block_min_pos, key_limit = ref.block_bounds(pos, st.block_size_q)
+        qp = ref.pool_queries(q, st.block_size_q, st.query_stride) * scale
+        kw = dict(chunk_size=st.chunk_size, head_reduction="z-score")
+        grouped = tp.select_rep_scores_paged(
+            qp.to(DEVICE), cache, block_table, cand.starts.to(DEVICE), cand.valid.to(DEVICE),
+            key_limit.to(DEVICE), group_probes=True, **kw,
+        ).cpu()  # fmt: skip
+        oracle = ref.select_rep_scores(qp, k, cand, st.chunk_size, key_limit,
+                                       head_reduction="z-score", group_probes=True)  # fmt: skip
+        fin = torch.isfinite(oracle)
+        assert torch.equal(fin, torch.isfinite(grouped))
+        torch.testing.assert_close(grouped[fin], oracle[fin], rtol=1e-4, atol=1e-4)
+        per_head = ref.select_rep_scores(qp, k, cand, st.chunk_size, key_limit,
+                                         head_reduction="z-score")  # fmt: skip
+        assert not torch.allclose(per_head[fin], oracle[fin])
+
+
 @pytest.mark.parametrize("pruning", ["relative", "chunk-indexed"])
 def test_remapped_pruning_below_the_trained_length_equals_reference(pruning):
     """``pruning_from=0``: query blocks below the trained length (here all of them) score at

@@ -128,6 +128,20 @@ def test_a_coarse_first_stage_runs_sparse_and_a_batch_equals_each_prompt_alone(
     assert counts["sparse_decode_queries"] == 2 * 3 * 7 * 2
 
 
+def test_group_bisection_runs_sparse_and_a_batch_equals_each_prompt_alone(tiny_model, tmp_path):
+    """``prefill_representatives: "group-bisection"`` (the query heads of a KV group bisect one
+    path): through vLLM, prefill runs sparse, and a batch gives what each prompt gives alone."""
+    hip = {**SMALL_HIP, "prefill_representatives": "group-bisection"}
+    prompts = [long_prompt(1500, "rho"), long_prompt(2300, "sigma"), long_prompt(1900, "tau")]
+    spec = {"engine": {**ENGINE_KW, "additional_config": {"infinitehip": hip}},
+            "prompts": prompts, "max_tokens": 8, "report": True,
+            "batch_then_alone": True}  # fmt: skip
+    out = generate_in_subprocess(tiny_model, "infinitehip", spec, tmp_path, "group")
+    together, alone = out["tokens"][:3], out["tokens"][3:]
+    assert together == alone and len(alone) == 3
+    assert out["report"]["stats"]["sparse_prefill_queries"] > 0
+
+
 def test_landmark_representatives_run_sparse_and_a_batch_equals_each_prompt_alone(
     tiny_model, tmp_path
 ):

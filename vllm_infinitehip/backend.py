@@ -66,10 +66,12 @@ logger = init_logger(f"vllm.{__name__}")
 
 
 def layer_prune_params(
-    config: InfiniteHiPConfig, layer_index: int, rope: ref.RopePlan | None = None
-) -> ref.PruneParams:
+    config: InfiniteHiPConfig, layer_index: int, rope: ref.RopePlan | None = None,
+    prefill: bool = False,
+) -> ref.PruneParams:  # fmt: skip
     """A layer's pruning parameters: the config's stages, its final budget (§1.2). Decode's are
-    those of ``config.for_decode()``."""
+    those of ``config.for_decode()``; ``prefill`` adds what only prefill's stages do
+    (``prefill_representatives`` ``"group-bisection"``)."""
     stages = [
         ref.StageParams(s.chunk_size, s.keep_tokens, s.block_size_q, s.query_stride)
         for s in config.stages
@@ -86,6 +88,7 @@ def layer_prune_params(
         exact_last_stage=config.exact_last_stage,
         drop_window_candidates=config.drop_window_candidates,
         extend_reused_blocks=config.extend_reused_blocks,
+        group_probes=prefill and config.prefill_representatives == "group-bisection",
     )
 
 
@@ -905,7 +908,7 @@ class InfiniteHiPImpl(AttentionImpl):
         self._ops = ops_for(device, self.config.scoring_precision, _score_reduce(self.config))
         layer_index = _layer_index(layer.layer_name)
         rope_plan = self._rope_plan(layer_index)
-        self._params = layer_prune_params(self.config, layer_index, rope_plan)
+        self._params = layer_prune_params(self.config, layer_index, rope_plan, prefill=True)
         self._decode_params = layer_prune_params(self._decode_config, layer_index, rope_plan)
         tail_window = self.config.tail_window(self.trained_context)
         if tail_window is not None:

@@ -75,7 +75,7 @@ DECODE_SPAN_SHARE = 0.5
 PROBE_RULES = ("midpoint", "first")
 HEAD_REDUCTIONS = ("max", "z-score")
 REMAP_PRUNING = ("past-trained", "always")
-PREFILL_REPRESENTATIVES = ("bisection", "landmark")
+PREFILL_REPRESENTATIVES = ("bisection", "group-bisection", "landmark")
 LANDMARK_WINDOW = 512  # the authors' (kernels.reference.LANDMARK_WINDOW)
 ROPE_PRUNING_STYLES = ("paper", "relative", "chunk-indexed", "none")
 ROPE_BSA_STYLES = ("streaming", "none")
@@ -213,7 +213,11 @@ class InfiniteHiPConfig:
       the query heads of its KV head), kept per KV slot as each prefill chunk is written: one
       probe per chunk and KV head. It keeps sharp keys that bisection steps past. The scores
       take ``(H_kv + 1)`` float32 per token and layer beside the KV cache (about 1% of a
-      16-bit cache). Decode keeps bisection. With ``offload``, the ``"split"`` layout only.
+      16-bit cache). With ``offload``, the ``"split"`` layout only. ``"group-bisection"``: the
+      query heads of a KV group bisect one path, each step descending by the best probe over
+      all their queries, so a probe key is read once per group instead of once per query head
+      (the stages read G times fewer keys, G = H_q / H_kv); the ranking then reduces over KV
+      heads. Decode keeps bisection per head.
     - ``scoring_precision``: how the GPU prefill's pruning stages multiply q.k: ``"tf32"`` (one
       tensor-core pass, default) or ``"fp32"`` (three passes, fp32-accurate). Decode scoring is
       always exact fp32 (one query per row).
