@@ -1,5 +1,5 @@
-"""Chunk representatives on a real model's Q/K: bisection (SelectRep) against landmark scores
-(CPU, HF transformers; no vLLM engine).
+"""Chunk representatives on a real model's Q/K: bisection (SelectRep, per query head or per KV
+group) against landmark scores (CPU, HF transformers; no vLLM engine).
 
     python benchmarks/representatives.py --model smollm2-135m --lengths 8192 16384 \\
         --depths 0.1 0.3 0.5 0.7 0.9
@@ -14,6 +14,8 @@ layer's parameters, RoPE plan (extension on past the trained length, pruning rem
 ``remap_pruning: "always"``) and each setting:
 
 - ``bisection``: the configured stages (today's);
+- ``group-bisection``: the same, the query heads of each KV group bisecting one path
+  (``prefill_representatives: "group-bisection"``);
 - ``landmark``: the same stages, stages before an exact last one scored by landmark
   representatives;
 - ``landmark-group``: one landmark per KV head (the mean of its query heads'), so the query
@@ -48,10 +50,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (--model and how it is prompted)
 import mask_heads  # noqa: E402  (capture_qk, load_model)
 
-SETTINGS = ("bisection", "landmark", "landmark-group", "landmark-64-16-4")
+SETTINGS = ("bisection", "group-bisection", "landmark", "landmark-group", "landmark-64-16-4")
 
 
 def setting_params(params, setting: str):
+    if setting == "group-bisection":
+        return dataclasses.replace(params, group_probes=True)
     if setting != "landmark-64-16-4":
         return params
     sizes = (64, 16, 4)
@@ -100,7 +104,8 @@ def main() -> int:
             group = group.expand(n, hkv, q.shape[1] // hkv).reshape(n, -1)
             for setting in args.settings:
                 params = setting_params(base, setting)
-                lm = {"bisection": None, "landmark-group": group}.get(setting, landmarks)
+                lm = {"bisection": None, "group-bisection": None,
+                      "landmark-group": group}.get(setting, landmarks)  # fmt: skip
                 for kind, first in (("decode", n - 1), ("prefill", n - 64)):
                     # one query block either way (its last query's row is measured)
                     pos = torch.arange(first, n)
