@@ -107,6 +107,20 @@ def test_a_batch_of_four_long_prompts_equals_each_prompt_alone(hip_llm):
     assert together == alone
 
 
+def batch_equals_alone(tiny_model, tmp_path, hip: dict, prompts: list[str], tag: str,
+                       **engine) -> dict:  # fmt: skip
+    """An engine with ``hip`` (in a subprocess) greedy-decodes 8 tokens of ``prompts`` as one
+    batch, then each alone; asserts the two agree and returns the run's stats."""
+    engine = {**ENGINE_KW, **engine, "additional_config": {"infinitehip": hip}}
+    spec = {"engine": engine, "prompts": prompts, "max_tokens": 8, "report": True,
+            "batch_then_alone": True}  # fmt: skip
+    out = generate_in_subprocess(tiny_model, "infinitehip", spec, tmp_path, tag)
+    n = len(prompts)
+    together, alone = out["tokens"][:n], out["tokens"][n:]
+    assert together == alone and len(alone) == n
+    return out["report"]["stats"]
+
+
 def test_a_coarse_first_stage_runs_sparse_and_a_batch_equals_each_prompt_alone(
     tiny_model, tmp_path
 ):
@@ -116,13 +130,7 @@ def test_a_coarse_first_stage_runs_sparse_and_a_batch_equals_each_prompt_alone(
     hip = {**SMALL_HIP, "stages": [dict(st) for st in SMALL_HIP["stages"]]}
     hip["stages"][0].update(block_size_q=64, query_stride=8)
     prompts = [long_prompt(1500, "mu"), long_prompt(2300, "nu"), long_prompt(1900, "xi")]
-    spec = {"engine": {**ENGINE_KW, "additional_config": {"infinitehip": hip}},
-            "prompts": prompts, "max_tokens": 8, "report": True,
-            "batch_then_alone": True}  # fmt: skip
-    out = generate_in_subprocess(tiny_model, "infinitehip", spec, tmp_path, "coarse")
-    together, alone = out["tokens"][:3], out["tokens"][3:]
-    assert together == alone and len(alone) == 3
-    counts = out["report"]["stats"]
+    counts = batch_equals_alone(tiny_model, tmp_path, hip, prompts, "coarse")
     assert counts["sparse_prefill_queries"] > 0
     # layers x prompts x decode steps, batched and alone
     assert counts["sparse_decode_queries"] == 2 * 3 * 7 * 2
@@ -133,13 +141,8 @@ def test_group_bisection_runs_sparse_and_a_batch_equals_each_prompt_alone(tiny_m
     path): through vLLM, prefill runs sparse, and a batch gives what each prompt gives alone."""
     hip = {**SMALL_HIP, "prefill_representatives": "group-bisection"}
     prompts = [long_prompt(1500, "rho"), long_prompt(2300, "sigma"), long_prompt(1900, "tau")]
-    spec = {"engine": {**ENGINE_KW, "additional_config": {"infinitehip": hip}},
-            "prompts": prompts, "max_tokens": 8, "report": True,
-            "batch_then_alone": True}  # fmt: skip
-    out = generate_in_subprocess(tiny_model, "infinitehip", spec, tmp_path, "group")
-    together, alone = out["tokens"][:3], out["tokens"][3:]
-    assert together == alone and len(alone) == 3
-    assert out["report"]["stats"]["sparse_prefill_queries"] > 0
+    counts = batch_equals_alone(tiny_model, tmp_path, hip, prompts, "group")
+    assert counts["sparse_prefill_queries"] > 0
 
 
 def test_landmark_representatives_run_sparse_and_a_batch_equals_each_prompt_alone(
@@ -154,14 +157,8 @@ def test_landmark_representatives_run_sparse_and_a_batch_equals_each_prompt_alon
     prompt elsewhere than alone, that block's selection differs whatever the representatives."""
     hip = {**SMALL_HIP, "prefill_representatives": "landmark", "prefill_tail_window": None}
     prompts = [long_prompt(1500, "rho"), long_prompt(2300, "sigma"), long_prompt(1900, "tau")]
-    engine = {**ENGINE_KW, "enable_prefix_caching": False,
-              "additional_config": {"infinitehip": hip}}  # fmt: skip
-    spec = {"engine": engine, "prompts": prompts, "max_tokens": 8, "report": True,
-            "batch_then_alone": True}  # fmt: skip
-    out = generate_in_subprocess(tiny_model, "infinitehip", spec, tmp_path, "landmark")
-    together, alone = out["tokens"][:3], out["tokens"][3:]
-    assert together == alone and len(alone) == 3
-    counts = out["report"]["stats"]
+    counts = batch_equals_alone(tiny_model, tmp_path, hip, prompts, "landmark",
+                                enable_prefix_caching=False)  # fmt: skip
     assert counts["sparse_prefill_queries"] > 0 and counts["sparse_decode_queries"] > 0
 
 
