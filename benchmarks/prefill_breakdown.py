@@ -174,6 +174,18 @@ def dense_prefill_ms(t: int, layer) -> float:
                     reps=3)[0] / 1000  # fmt: skip
 
 
+def write_rows(rows: list[dict], date: str, argv: list[str] | None, out: str) -> dict:
+    """The result file with the rows so far; returns its content."""
+    result = {"name": "prefill-breakdown", "date": date, "gpu": torch.cuda.get_device_name(),
+              "command": common.command_line(
+                  None if argv is None else ["benchmarks/prefill_breakdown.py", *argv]),
+              "rows": rows}  # fmt: skip
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "prefill-breakdown-gpu.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[131072])
@@ -219,20 +231,15 @@ def main(argv: list[str] | None = None) -> int:
                 r["final_overlap"] = selection_overlap(sel, base_sel[(t, mode, name)])
                 r["speedup_vs_dense"] = dense_ms / r["chunk_ms"]
                 rows.append(r)
+                write_rows(rows, date, argv, args.out)  # each row as it comes: a later one may fail
                 top = sorted(r["kernels_ms"].items(), key=lambda kv: -kv[1])[:6]
                 print(f"[prefill] {t} {mode} {reps} {name}: prune {r['prune_ms']:.1f} ms, attend "
                       f"{r['attend_ms']:.1f} ms, same selection {same}; kernels "
                       + ", ".join(f"{n} {ms:.1f}" for n, ms in top), flush=True)  # fmt: skip
         del layer
         torch.cuda.empty_cache()
-    result = {"name": "prefill-breakdown", "date": date, "gpu": torch.cuda.get_device_name(),
-              "command": common.command_line(
-                  None if argv is None else ["benchmarks/prefill_breakdown.py", *argv]),
-              "rows": rows}  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "prefill-breakdown-gpu.json"
-    path.write_text(json.dumps(result, indent=1))
+    result = write_rows(rows, date, argv, args.out)
+    path = Path(args.out) / "prefill-breakdown-gpu.json"
     from plot import plot_prefill_breakdown
 
     plot_prefill_breakdown(result, path.with_suffix(".png"))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from . import reference as ref
 from .query_blocks import QueryBlocks, pool_block_queries, shared_once
@@ -584,6 +585,12 @@ def select_rep_scores_paged(
     # tl.dot needs every dimension >= 16; padding rows are masked as absent queries.
     block_q = max(16, triton.next_power_of_2(nq))
     block_d = max(16, triton.next_power_of_2(d))
+    if q_pooled_right is not None and block_q > 16:
+        # Two query tiles of a KV group's rows (left and right, relative style) beside the
+        # pipelined key tiles asked for more shared memory than Hopper has (H100, 64 rows and 64
+        # chunks: 295936 bytes at 3 stages, 278528 unpipelined, > 232448): unpipelined, and the
+        # chunk tile shrinks below until it compiles.
+        num_stages = 1
     if valid.dtype == torch.bool:
         valid = valid.view(torch.uint8)  # same bytes; avoids i1 pointers
     if block_table.stride(-1) != 1:  # the probes index a row's pages with unit stride
@@ -599,7 +606,57 @@ def select_rep_scores_paged(
                              f"[rows, pages] block_table, not {tuple(block_table.shape)}")  # fmt: skip
         stride_btr = block_table.stride(0)
     base_t, turn_t, hi_t, lo_t, bias, n_hi = rope_args
-    grid = (nb, triton.cdiv(c, block_chunk), hq)
+    meta = dict(
+        GROUP=hq // hkv,
+        PAGE_SIZE=page_size,
+        CHUNK_SIZE=chunk_size,
+        N_ITERS=ref.bisect_steps(chunk_size),
+        EXACT=exact,
+        REPS=use_reps,
+        HEADS_PER_REP=heads_per_rep,
+        MIDPOINT=probe == "midpoint",
+        FAST_DOT=precision == "fast",
+        PRECISION={"ieee": "ieee", "tf32": "tf32"}.get(precision, "tf32x3"),
+        TWO_SIDED=q_pooled_right is not None,
+        LO_BITS=LO_BITS,
+        BLOCK_Q=block_q,
+        BLOCK_D=block_d,
+        KV_FP8=kv_fp8,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **rope_meta,
+    )  # fmt: skip
+    # A tile that needs more shared memory than the GPU has fails when it compiles (Triton's
+    # OutOfResources); the chunk tile is then halved, which changes no score, and the size that
+    # compiled is kept for these settings.
+    fits = (q_pooled.device.index, *sorted(meta.items()))
+    block_chunk = _CHUNK_TILE_FITS.get(fits, block_chunk)
+    while True:
+        try:
+            _launch_select_rep(
+                q_pooled, q_pooled_right, kv_cache, block_table, block_rows, starts, valid,
+                key_limit, base_t, turn_t, hi_t, lo_t, per_head_out, k_sc, rep_table, nq, c, d,
+                bias, n_hi, rep_sink, stride_btr, rep_strides, block_chunk, meta,
+            )  # fmt: skip
+        except OutOfResources:
+            if block_chunk <= 16:
+                raise
+            block_chunk //= 2
+            continue
+        _CHUNK_TILE_FITS[fits] = block_chunk
+        return ref.reduce_heads(per_head_out, head_reduction)
+
+
+# settings of a SelectRep launch -> the chunk tile that compiled for them
+_CHUNK_TILE_FITS: dict[tuple, int] = {}
+
+
+def _launch_select_rep(
+    q_pooled, q_pooled_right, kv_cache, block_table, block_rows, starts, valid, key_limit, base_t,
+    turn_t, hi_t, lo_t, per_head_out, k_sc, rep_table, nq, c, d, bias, n_hi, rep_sink,
+    stride_btr, rep_strides, block_chunk, meta,
+) -> None:  # fmt: skip
+    grid = (q_pooled.shape[0], triton.cdiv(c, block_chunk), q_pooled.shape[1])
     _select_rep_kernel[grid](
         q_pooled,
         q_pooled if q_pooled_right is None else q_pooled_right,
@@ -633,27 +690,9 @@ def select_rep_scores_paged(
         *base_t.stride(),
         *per_head_out.stride(),
         *rep_strides,
-        GROUP=hq // hkv,
-        PAGE_SIZE=page_size,
-        CHUNK_SIZE=chunk_size,
-        N_ITERS=ref.bisect_steps(chunk_size),
-        EXACT=exact,
-        REPS=use_reps,
-        HEADS_PER_REP=heads_per_rep,
-        MIDPOINT=probe == "midpoint",
-        FAST_DOT=precision == "fast",
-        PRECISION={"ieee": "ieee", "tf32": "tf32"}.get(precision, "tf32x3"),
-        TWO_SIDED=q_pooled_right is not None,
-        LO_BITS=LO_BITS,
         BLOCK_CHUNK=block_chunk,
-        BLOCK_Q=block_q,
-        BLOCK_D=block_d,
-        KV_FP8=kv_fp8,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **rope_meta,
+        **meta,
     )
-    return ref.reduce_heads(per_head_out, head_reduction)
 
 
 # --------------------------------------------------------------------------- the cascade

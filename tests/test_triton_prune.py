@@ -929,6 +929,48 @@ def test_group_probes_prefill_cascade_equals_reference(pruning):
         assert not torch.allclose(per_head[fin], oracle[fin])
 
 
+def test_a_chunk_tile_past_the_shared_memory_is_halved_until_it_compiles(monkeypatch):
+    """A launch whose tile needs more shared memory than the GPU has raises Triton's
+    OutOfResources when it compiles (on Hopper: two-sided group probes at 64 chunks); the
+    scores then come from a halved tile, equal to the reference's, and the size that compiled
+    is kept for the same settings. The failure is injected above 16 chunks here, since the
+    interpreter has no shared memory."""
+    from triton.runtime.errors import OutOfResources
+
+    tried = []
+    launch = tp._launch_select_rep
+
+    def small_tiles_only(*args):
+        block_chunk = args[-2]
+        tried.append(block_chunk)
+        if block_chunk > 16:
+            raise OutOfResources(block_chunk * 4096, 232448, "shared memory")
+        launch(*args)
+
+    monkeypatch.setattr(tp, "_launch_select_rep", small_tiles_only)
+    monkeypatch.setattr(tp, "_CHUNK_TILE_FITS", {})
+    t, d, hq, hkv, chunk, scale = 300, 32, 4, 2, 8, 0.18
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(t, hkv, d, generator=gen)
+    cache, block_table = paged_cache(k, 16, gen)
+    qp = torch.randn(3, hq, 2, d, generator=gen) * scale
+    starts = torch.arange(0, 280, chunk).view(1, -1).expand(3, -1).contiguous()
+    cand = ref.Candidates(starts, torch.ones_like(starts, dtype=torch.bool))
+    limit = torch.tensor([t, t, 200])
+    want = ref.select_rep_scores(qp, k, cand, chunk, limit, group_probes=True)
+    for _ in range(2):
+        got = tp.select_rep_scores_paged(
+            qp.to(DEVICE), cache, block_table, starts.to(DEVICE), cand.valid.to(DEVICE),
+            limit.to(DEVICE), chunk_size=chunk, group_probes=True,
+        ).cpu()  # fmt: skip
+        fin = torch.isfinite(want)
+        assert torch.equal(fin, torch.isfinite(got))
+        torch.testing.assert_close(got[fin], want[fin], rtol=1e-4, atol=1e-4)
+    first = tp._launch_config(d)[0]
+    halvings = [first >> i for i in range(first.bit_length()) if first >> i >= 16]
+    assert tried == halvings + [16]  # the second call starts from the size that compiled
+
+
 @pytest.mark.parametrize("pruning", ["relative", "chunk-indexed"])
 def test_remapped_pruning_below_the_trained_length_equals_reference(pruning):
     """``pruning_from=0``: query blocks below the trained length (here all of them) score at
