@@ -129,6 +129,11 @@ class Bank:
         self.fill_pages = torch.full((layers, max_entries), -1, **i64)
         self.fill_slots = torch.full((layers, max_entries), -1, **i64)
         self.write_slots = torch.full((layers, max_tokens), -1, **i64)
+        # every entry at or past these is padding (-1): a step resets only what the last one
+        # wrote past its own length, not the whole buffer (sized for max_num_seqs rows, every
+        # layer: tens of MB to rewrite at every decode step)
+        self._fills_to = 0
+        self._writes_to = 0
 
     def plan_promotion(self, pages: torch.Tensor, promote: torch.Tensor,
                        refreshing: torch.Tensor) -> Promotion:  # fmt: skip
@@ -144,10 +149,12 @@ class Bank:
         wanted = wanted.transpose(1, 2).reshape(layers, -1)
         promotion = self.cache.promote_all(wanted)
         n = wanted.shape[1]
-        self.fill_pages[:, n:] = -1
-        self.fill_slots[:, n:] = -1
+        if self._fills_to > n:
+            self.fill_pages[:, n : self._fills_to] = -1
+            self.fill_slots[:, n : self._fills_to] = -1
         self.fill_pages[:, :n] = promotion.fill_pages
         self.fill_slots[:, :n] = promotion.fill_slots
+        self._fills_to = n
         valid = pages >= 0
         at = torch.where(valid, pages, self.cache.num_pages).view(layers, -1)
         slot = self.cache.table.gather(1, at)
@@ -164,7 +171,13 @@ class Bank:
         return promotion
 
     def clear_fills(self) -> None:
-        self.fill_slots.fill_(-1)
+        self.fill_pages[:, : self._fills_to] = -1
+        self.fill_slots[:, : self._fills_to] = -1
+        self._fills_to = 0
+
+    def clear_writes(self) -> None:
+        self.write_slots[:, : self._writes_to] = -1
+        self._writes_to = 0
 
     def plan_writes(self, slot_mapping: torch.Tensor) -> None:
         """Once per step, for every layer: the bank slot of each token the step writes (-1:
@@ -174,8 +187,10 @@ class Bank:
         page = torch.div(slot_mapping, bs, rounding_mode="floor")
         page = torch.where(slot_mapping >= 0, page, self.cache.num_pages).view(1, n)
         slot = self.cache.table.gather(1, page.expand(layers, n)).long()
-        self.write_slots[:, n:] = -1
+        if self._writes_to > n:
+            self.write_slots[:, n : self._writes_to] = -1
         self.write_slots[:, :n] = torch.where(slot >= 0, slot * bs + slot_mapping % bs, -1)
+        self._writes_to = n
 
     def layer_work(
         self, layer: int, kv_cache: torch.Tensor, n_tokens: int, copy: Callable[..., None],

@@ -159,6 +159,28 @@ _RUNNABLE = torch.cuda.is_available() or isinstance(
 
 @pytest.mark.skipif(not _RUNNABLE, reason="triton was imported compiled without a GPU: run "
                     "this file alone")  # fmt: skip
+def test_a_smaller_step_leaves_only_padding_past_its_plan():
+    """Each step rewrites its own fills and writes and resets only what the step before wrote
+    past them: after a larger batch, every entry past a smaller step's plan is padding again,
+    as a graph captured for the larger batch reads it; clearing empties what was written."""
+    layers, pages, slots = 3, 40, 6
+    bank = Bank(layers, pages, slots, (PAGE, HKV, D), torch.float32, torch.device("cpu"))
+    bank.allocate_plan(4 * 5, 64)
+    gen = torch.Generator().manual_seed(0)
+    no = torch.zeros(4, dtype=torch.bool)
+    for rows, tokens in ((4, 50), (1, 7), (3, 30), (2, 60)):
+        read = torch.randint(0, pages, (layers, rows, 5), generator=gen)
+        bank.plan_promotion(read, torch.ones(rows, dtype=torch.bool), no[:rows])
+        bank.plan_writes(torch.randint(0, pages * PAGE, (tokens,), generator=gen))
+        n = rows * 5
+        assert (bank.fill_slots[:, :n] >= 0).any()
+        assert (bank.fill_slots[:, n:] == -1).all() and (bank.fill_pages[:, n:] == -1).all()
+        assert (bank.write_slots[:, tokens:] == -1).all()
+    bank.clear_fills()
+    bank.clear_writes()
+    assert (bank.fill_slots == -1).all() and (bank.write_slots == -1).all()
+
+
 def test_page_copy_kernel_copies_the_fills_and_skips_padding():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(9)

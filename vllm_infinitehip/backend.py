@@ -494,7 +494,7 @@ class InfiniteHiPMetadataBuilder(AttentionMetadataBuilder[InfiniteHiPMetadata]):
             )
         if capture:  # the graph must hold the layers' copies; nothing to copy at capture
             bank.clear_fills()
-            bank.write_slots.fill_(-1)
+            bank.clear_writes()
             self.plan.bank_fill_entries = m.num_reqs * self._tier_pages_per_row
             return
         self.plan.bank_fill_entries = num_decodes * self._tier_pages_per_row
