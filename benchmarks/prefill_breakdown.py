@@ -50,7 +50,7 @@ from vllm_infinitehip.kernels.rope import RopeTable
 from vllm_infinitehip.kernels.triton_bsa import sparse_prefill_attention
 from vllm_infinitehip.kernels.triton_landmark import landmark_accumulate_tiles
 
-from vllm_infinitehip.config import InfiniteHiPConfig
+from vllm_infinitehip.config import PREFILL_REPRESENTATIVES, InfiniteHiPConfig
 
 # name -> _launch_config(head_dim, rope) replacement, or None for the code's own
 # (measured on an H200: the whole tile with pipelining and a rotation needed more shared memory
@@ -108,8 +108,7 @@ def landmark_layer(t: int, cfg: InfiniteHiPConfig, layer, scale: float):
 
 
 def run_mode(t: int, cfg: InfiniteHiPConfig, layer, mode: str) -> dict:
-    params = dataclasses.replace(
-        ab.prune_params(cfg), group_probes=cfg.prefill_representatives == "group-bisection")
+    params = dataclasses.replace(ab.prune_params(cfg), group_probes=cfg.prefill_group_probes)
     if mode != "off":
         rope = ref.RopePlan(RopeTable.default(ab.D, 500000.0), pruning=mode, bsa="streaming")
         params = dataclasses.replace(params, rope=rope)
@@ -174,16 +173,17 @@ def dense_prefill_ms(t: int, layer) -> float:
                     reps=3)[0] / 1000  # fmt: skip
 
 
-def write_rows(rows: list[dict], date: str, argv: list[str] | None, out: str) -> dict:
-    """The result file with the rows so far; returns its content."""
+def write_rows(rows: list[dict], date: str, argv: list[str] | None,
+               out: str) -> tuple[dict, Path]:  # fmt: skip
+    """The result file with the rows so far; returns its content and path."""
     result = {"name": "prefill-breakdown", "date": date, "gpu": torch.cuda.get_device_name(),
               "command": common.command_line(
                   None if argv is None else ["benchmarks/prefill_breakdown.py", *argv]),
               "rows": rows}  # fmt: skip
-    path = Path(out)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "prefill-breakdown-gpu.json").write_text(json.dumps(result, indent=1))
-    return result
+    path = Path(out) / "prefill-breakdown-gpu.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return result, path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--first-stage-block", type=int, nargs="+", default=[64],
                     help="query block sizes of the first pruning stage (the first is the base)")
-    ap.add_argument("--representatives", nargs="+", choices=["bisection", "group-bisection", "landmark"],
+    ap.add_argument("--representatives", nargs="+", choices=list(PREFILL_REPRESENTATIVES),
                     default=["bisection"], help="the prefill's chunk representatives "
                     "(config prefill_representatives; the first is the base of final_overlap)")
     ap.add_argument("--out", default=str(common.RESULTS))
@@ -238,8 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                       + ", ".join(f"{n} {ms:.1f}" for n, ms in top), flush=True)  # fmt: skip
         del layer
         torch.cuda.empty_cache()
-    result = write_rows(rows, date, argv, args.out)
-    path = Path(args.out) / "prefill-breakdown-gpu.json"
+    result, path = write_rows(rows, date, argv, args.out)
     from plot import plot_prefill_breakdown
 
     plot_prefill_breakdown(result, path.with_suffix(".png"))

@@ -585,12 +585,6 @@ def select_rep_scores_paged(
     # tl.dot needs every dimension >= 16; padding rows are masked as absent queries.
     block_q = max(16, triton.next_power_of_2(nq))
     block_d = max(16, triton.next_power_of_2(d))
-    if q_pooled_right is not None and block_q > 16:
-        # Two query tiles of a KV group's rows (left and right, relative style) beside the
-        # pipelined key tiles asked for more shared memory than Hopper has (H100, 64 rows and 64
-        # chunks: 295936 bytes at 3 stages, 278528 unpipelined, > 232448): unpipelined, and the
-        # chunk tile shrinks below until it compiles.
-        num_stages = 1
     if valid.dtype == torch.bool:
         valid = valid.view(torch.uint8)  # same bytes; avoids i1 pointers
     if block_table.stride(-1) != 1:  # the probes index a row's pages with unit stride
@@ -623,38 +617,40 @@ def select_rep_scores_paged(
         BLOCK_D=block_d,
         KV_FP8=kv_fp8,
         num_warps=num_warps,
-        num_stages=num_stages,
         **rope_meta,
     )  # fmt: skip
     # A tile that needs more shared memory than the GPU has fails when it compiles (Triton's
-    # OutOfResources); the chunk tile is then halved, which changes no score, and the size that
-    # compiled is kept for these settings.
+    # OutOfResources; on an H100 two-sided group probes, two 64-row query tiles, asked for
+    # 295936 bytes at 3 stages and 278528 unpipelined, against 232448). The launch is then
+    # retried unpipelined, then with half the chunk tile, neither of which changes a score,
+    # and what compiled is kept for these settings.
     fits = (q_pooled.device.index, *sorted(meta.items()))
-    block_chunk = _CHUNK_TILE_FITS.get(fits, block_chunk)
+    tile = _TILE_FITS.get(fits, (block_chunk, num_stages))
     while True:
         try:
             _launch_select_rep(
                 q_pooled, q_pooled_right, kv_cache, block_table, block_rows, starts, valid,
                 key_limit, base_t, turn_t, hi_t, lo_t, per_head_out, k_sc, rep_table, nq, c, d,
-                bias, n_hi, rep_sink, stride_btr, rep_strides, block_chunk, meta,
+                bias, n_hi, rep_sink, stride_btr, rep_strides, *tile, meta,
             )  # fmt: skip
         except OutOfResources:
-            if block_chunk <= 16:
+            chunks, stages = tile
+            if stages == 1 and chunks <= 16:
                 raise
-            block_chunk //= 2
+            tile = (chunks, 1) if stages > 1 else (chunks // 2, 1)
             continue
-        _CHUNK_TILE_FITS[fits] = block_chunk
+        _TILE_FITS[fits] = tile
         return ref.reduce_heads(per_head_out, head_reduction)
 
 
-# settings of a SelectRep launch -> the chunk tile that compiled for them
-_CHUNK_TILE_FITS: dict[tuple, int] = {}
+# settings of a SelectRep launch -> the (chunk tile, pipeline stages) that compiled for them
+_TILE_FITS: dict[tuple, tuple[int, int]] = {}
 
 
 def _launch_select_rep(
     q_pooled, q_pooled_right, kv_cache, block_table, block_rows, starts, valid, key_limit, base_t,
     turn_t, hi_t, lo_t, per_head_out, k_sc, rep_table, nq, c, d, bias, n_hi, rep_sink,
-    stride_btr, rep_strides, block_chunk, meta,
+    stride_btr, rep_strides, block_chunk, num_stages, meta,
 ) -> None:  # fmt: skip
     grid = (q_pooled.shape[0], triton.cdiv(c, block_chunk), q_pooled.shape[1])
     _select_rep_kernel[grid](
@@ -691,6 +687,7 @@ def _launch_select_rep(
         *per_head_out.stride(),
         *rep_strides,
         BLOCK_CHUNK=block_chunk,
+        num_stages=num_stages,
         **meta,
     )
 

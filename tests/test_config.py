@@ -141,7 +141,7 @@ def test_group_bisection_reaches_prefill_params_and_not_decode_params():
     from vllm_infinitehip.backend import layer_prune_params
 
     c = InfiniteHiPConfig.from_user({"prefill_representatives": "group-bisection"})
-    assert layer_prune_params(c, 5, prefill=True).group_probes
+    assert c.prefill_group_probes and layer_prune_params(c, 5, prefill=True).group_probes
     assert not layer_prune_params(c.for_decode(), 5).group_probes
     assert not layer_prune_params(InfiniteHiPConfig(), 5, prefill=True).group_probes
     assert InfiniteHiPConfig.from_user(c.to_dict()) == c

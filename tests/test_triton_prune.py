@@ -931,24 +931,24 @@ def test_group_probes_prefill_cascade_equals_reference(pruning):
 
 def test_a_chunk_tile_past_the_shared_memory_is_halved_until_it_compiles(monkeypatch):
     """A launch whose tile needs more shared memory than the GPU has raises Triton's
-    OutOfResources when it compiles (on Hopper: two-sided group probes at 64 chunks); the
-    scores then come from a halved tile, equal to the reference's, and the size that compiled
-    is kept for the same settings. The failure is injected above 16 chunks here, since the
-    interpreter has no shared memory."""
+    OutOfResources when it compiles (on Hopper: two-sided group probes at 64 chunks); it is
+    retried unpipelined, then with halved tiles, and the scores equal the reference's; what
+    compiled is kept for the same settings. The failure is injected above 16 chunks here,
+    since the interpreter has no shared memory."""
     from triton.runtime.errors import OutOfResources
 
     tried = []
     launch = tp._launch_select_rep
 
     def small_tiles_only(*args):
-        block_chunk = args[-2]
-        tried.append(block_chunk)
+        block_chunk, num_stages = args[-3], args[-2]
+        tried.append((block_chunk, num_stages))
         if block_chunk > 16:
             raise OutOfResources(block_chunk * 4096, 232448, "shared memory")
         launch(*args)
 
     monkeypatch.setattr(tp, "_launch_select_rep", small_tiles_only)
-    monkeypatch.setattr(tp, "_CHUNK_TILE_FITS", {})
+    monkeypatch.setattr(tp, "_TILE_FITS", {})
     t, d, hq, hkv, chunk, scale = 300, 32, 4, 2, 8, 0.18
     gen = torch.Generator().manual_seed(2)
     k = torch.randn(t, hkv, d, generator=gen)
@@ -966,9 +966,11 @@ def test_a_chunk_tile_past_the_shared_memory_is_halved_until_it_compiles(monkeyp
         fin = torch.isfinite(want)
         assert torch.equal(fin, torch.isfinite(got))
         torch.testing.assert_close(got[fin], want[fin], rtol=1e-4, atol=1e-4)
-    first = tp._launch_config(d)[0]
-    halvings = [first >> i for i in range(first.bit_length()) if first >> i >= 16]
-    assert tried == halvings + [16]  # the second call starts from the size that compiled
+    first, _, stages = tp._launch_config(d)
+    assert stages > 1  # so the first retry is the unpipelined tile
+    halvings = [(first >> i, 1) for i in range(first.bit_length()) if first >> i >= 16]
+    # the second call starts from the tile that compiled
+    assert tried == [(first, stages)] + halvings + [(16, 1)]
 
 
 @pytest.mark.parametrize("pruning", ["relative", "chunk-indexed"])

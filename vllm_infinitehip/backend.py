@@ -88,7 +88,7 @@ def layer_prune_params(
         exact_last_stage=config.exact_last_stage,
         drop_window_candidates=config.drop_window_candidates,
         extend_reused_blocks=config.extend_reused_blocks,
-        group_probes=prefill and config.prefill_representatives == "group-bisection",
+        group_probes=prefill and config.prefill_group_probes,
     )
 
 

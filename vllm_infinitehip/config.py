@@ -285,6 +285,12 @@ class InfiniteHiPConfig:
         return self.stages[-1].chunk_size
 
     @property
+    def prefill_group_probes(self) -> bool:
+        """Prefill's pruning stages bisect one path per KV group (``prefill_representatives``
+        ``"group-bisection"``; ``PruneParams.group_probes``)."""
+        return self.prefill_representatives == "group-bisection"
+
+    @property
     def landmark_window(self) -> int:
         """How many following queries a key's landmark score averages: at most 512 (the
         authors'), and at most ``window_tokens - 2 * stages[0].chunk_size``. A candidate chunk
