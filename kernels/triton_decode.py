@@ -56,6 +56,7 @@ from .triton_rope import (
     rotate_split,
     split_blocks,
 )
+from .triton_topk import head_block, head_ranking, top_by_bisection, top_num_warps
 
 ROPE_NONE, ROPE_RELATIVE, ROPE_CHUNK_INDEXED = 0, 1, 2
 # The widest score row (a power of two) that the last 4-warp SelectRep program of a row ranks:
@@ -568,32 +569,16 @@ def _keep_top(
     launch's atomic max starts there). With ``HEAD_SCORES`` the scores are per head (``[H_q, C]``
     of the row, every listed entry written by this launch, so nothing is reset) and rank by the
     max over heads of each head's z-score (:func:`reference.reduce_heads`), ``HEAD_BLOCK`` heads
-    at a time (:func:`_head_block`)."""
+    at a time (:func:`triton_topk.head_block`)."""
     offs = tl.arange(0, BLOCK_C)
     in_c = offs < n_scores
     score_row = scores_ptr + b.to(tl.int64) * stride_sb
+    listed = in_c
     if HEAD_SCORES:
         listed = in_c & (offs < n_cand)
-        s = tl.full([BLOCK_C], float("-inf"), tl.float32)
-        offs_h = tl.arange(0, HEAD_BLOCK)
-        for h0 in range(0, n_heads, HEAD_BLOCK):
-            # One program ranks the row, so its time is its reductions' latency: a tile of
-            # heads standardises them all with the reductions one head took.
-            heads = h0 + offs_h
-            m = (heads < n_heads)[:, None] & listed[None, :]
-            # .cg: other programs' stores, in L2; an L1 line of them could be stale
-            x = tl.load(score_row + heads[:, None] * stride_sh + offs[None, :], mask=m,
-                        other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-            ok = x > float("-inf")
-            n = tl.maximum(tl.sum(ok.to(tl.float32), axis=1), 1.0)
-            x0 = tl.where(ok, x, 0.0)
-            dev = x0 - (tl.sum(x0, axis=1) / n)[:, None]
-            var = tl.sum(tl.where(ok, dev * dev, 0.0), axis=1) / n
-            z = dev / tl.maximum(tl.sqrt(var), 1e-6)[:, None]
-            s = tl.maximum(s, tl.max(tl.where(ok, z, float("-inf")), axis=0))
-    else:
-        # .cg: the scores are other programs' atomics, in L2; an L1 line of them could be stale
-        s = tl.load(score_row + offs, mask=in_c, other=float("-inf"), cache_modifier=".cg")
+    s = head_ranking(score_row, stride_sh, n_heads, offs, listed, HEAD_SCORES, HEAD_SCORES,
+                     HEAD_BLOCK, BLOCK_C)  # fmt: skip
+    if not HEAD_SCORES:  # the next launch's atomic max starts from -inf
         tl.store(score_row + offs, tl.full([BLOCK_C], float("-inf"), tl.float32), mask=in_c)
     if STAGE == 0:
         start = sink_tokens + offs * CHUNK_SIZE
@@ -601,25 +586,9 @@ def _keep_top(
         cand_row = cand_ptr + row_slot.to(tl.int64) * stride_cs
         start = tl.load(cand_row + offs * stride_cc, mask=offs < n_cand, other=0)
 
-    # Top `keep` by score, ties to the earlier chunk: find the n_sel-th largest score by
-    # bisection over order-preserving integer keys, then take everything above it and the first
-    # ties. Candidates are ascending in position, so the survivors come out sorted (§1.5).
-    valid = (s > float("-inf")) & in_c
-    n_sel = tl.minimum(keep, tl.sum(valid.to(tl.int32), axis=0))
-    bits = s.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
-    lo = tl.min(key, axis=0)
-    hi = tl.max(key, axis=0)
-    for _ in range(33):
-        mid = (lo + hi + 1) >> 1
-        enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= n_sel
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
-    above = valid & (key > lo)
-    tie = valid & (key == lo)
-    tie_rank = tl.cumsum(tie.to(tl.int32), axis=0)
-    sel = above | (tie & (tie_rank <= n_sel - tl.sum(above.to(tl.int32), axis=0)))
-    rank = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    # Top `keep` by score, ties to the earlier chunk. Candidates are ascending in position, so
+    # the survivors come out sorted (§1.5).
+    sel, rank = top_by_bisection(s, (s > float("-inf")) & in_c, keep)
 
     out_row = out_ptr + row_slot.to(tl.int64) * stride_os
     n_out = tl.zeros([BLOCK_C], tl.int32)
@@ -707,16 +676,8 @@ def _top_args(
     block_c = triton.next_power_of_2(scores.shape[-1])
     meta = dict(STAGE=stage, OUT_INDEX=n if last else stage + 1, WRITE_WIDTH=not last,
                 CHUNK_SIZE=st.chunk_size, SUB=sub, SPLIT=st.chunk_size // sub, BLOCK_C=block_c,
-                HEAD_SCORES=scores.dim() == 3, HEAD_BLOCK=_head_block(scores, block_c))  # fmt: skip
+                HEAD_SCORES=scores.dim() == 3, HEAD_BLOCK=head_block(scores, block_c))  # fmt: skip
     return cand, out, st.keep_tokens // st.chunk_size, meta
-
-
-def _head_block(scores: torch.Tensor, block_c: int) -> int:
-    """Heads the top-k standardises at once (z-score ranking) over ``block_c`` chunks: a tile of
-    about 2048 scores, which four warps hold in registers beside the ranking's own."""
-    if scores.dim() != 3:
-        return 1
-    return max(1, min(triton.next_power_of_2(scores.shape[1]), 2048 // block_c))
 
 
 def top_chunks(
@@ -738,7 +699,7 @@ def top_chunks(
         scores.stride(0), cand.stride(0), cand.stride(1), masks.counts.stride(0),
         out.stride(0), out.stride(1),
         params.sink_tokens, params.scan_window, keep, scores.shape[-1], *_head_args(scores),
-        num_warps=4 if block_c <= 1024 else 8 if block_c <= 4096 else 16, **meta,
+        num_warps=top_num_warps(block_c), **meta,
     )  # fmt: skip
 
 

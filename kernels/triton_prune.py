@@ -3,15 +3,16 @@
 :func:`select_rep_scores_paged` computes exactly what :func:`reference.select_rep_scores` does
 (shared/docs/INFINITEHIP.md §1.4) without gathering the request's keys first: each probe key is
 read through the block table where it lies. :func:`run_stages_paged` is the N-stage cascade of
-:func:`reference.run_stages` on top of it; the between-stage top-k / sort / split stay torch ops
-with static shapes (§1.5), so the whole cascade runs without a host sync once ``seq_len`` is
-given.
+:func:`reference.run_stages` on top of it: each stage's ranking over heads and top-k run in one
+launch (:func:`triton_topk.keep_top_blocks`), the split between stages as torch ops with static
+shapes (§1.5), so the whole cascade runs without a host sync once ``seq_len`` is given.
 
 Kernel layout (§4): one program per (query block, tile of ``BLOCK_CHUNK`` chunks, query head;
 with ``group_probes`` KV head, its group's queries as its rows). Every bisection step loads a
 ``[BLOCK_CHUNK, D]`` tile of probe keys per half and multiplies it with the block's ``[n_q, D]``
-pooled queries; the per-head scores go to a ``[n_blocks, H, C]`` buffer that torch reduces over
-heads, so programs never race and need no atomics.
+pooled queries; the per-head scores go to a ``[n_blocks, H, C]`` buffer that the top-k's launch
+ranks (a z-score needs all of a head's chunks first), so programs never race and need no
+atomics.
 
 RoPE remapping (§2): vLLM caches keys rotated at their true positions. The kernel can rotate
 each probe key it reads by ``base[b, j] - t``, with angles from the float64-built tables of
@@ -43,6 +44,7 @@ from .triton_rope import (
     rotate_split,
     split_blocks,
 )
+from .triton_topk import keep_top_blocks
 
 PROBES = ("midpoint", "first")
 PRECISIONS = ("fp32", "tf32", "ieee", "fast")
@@ -434,7 +436,7 @@ def select_rep_scores_paged(
     v_scale: float | torch.Tensor | None = None,
     block_rows: torch.Tensor | None = None,
     turn_blocks: torch.Tensor | None = None,
-    head_reduction: str = "max",
+    head_reduction: str | None = "max",
     exact: bool = False,
     reps: tuple[torch.Tensor, int] | None = None,
     group_probes: bool = False,
@@ -442,9 +444,10 @@ def select_rep_scores_paged(
     """SelectRep chunk scores ``[n_blocks, C]`` float32, equal to ``reference.select_rep_scores``.
 
     ``head_reduction`` turns the per-head scores into the ranking as
-    :func:`reference.reduce_heads` does; ``exact`` scores each chunk by its best key (every key
-    loaded, against the left-branch queries) instead of bisecting, as the reference's
-    ``exact``. ``reps = (table, sink)`` (not with ``exact``) scores each chunk by one key per
+    :func:`reference.reduce_heads` does (``None``: the per-head scores ``[n_blocks, H, C]``
+    are returned, for :func:`triton_topk.keep_top_blocks`); ``exact`` scores each chunk by its
+    best key (every key loaded, against the left-branch queries) instead of bisecting, as the
+    reference's ``exact``. ``reps = (table, sink)`` (not with ``exact``) scores each chunk by one key per
     head instead, its landmark representative: ``table [rows, n, H]`` (a block's request row,
     as ``block_rows``; ``H`` divides ``H_q``) holds it for every aligned chunk ``[sink + j *
     chunk_size, ...)`` (:func:`reference.landmark_table`), and a chunk is looked up by its
@@ -569,7 +572,7 @@ def select_rep_scores_paged(
         rope_args = (starts, starts, starts, starts, 0, 1)
         rope_meta = dict(ROPE=False, ROT_DIM=0, IS_NEOX=True, BLOCK_F=16, BLOCK_P=0)
     if nb == 0 or c == 0:
-        return per_head_out.new_empty(nb, c)
+        return per_head_out if head_reduction is None else per_head_out.new_empty(nb, c)
     use_reps = reps is not None and not exact
     if use_reps:
         rep_table, rep_sink = reps
@@ -640,6 +643,8 @@ def select_rep_scores_paged(
             tile = (chunks, 1) if stages > 1 else (chunks // 2, 1)
             continue
         _TILE_FITS[fits] = tile
+        if head_reduction is None:
+            return per_head_out
         return ref.reduce_heads(per_head_out, head_reduction)
 
 
@@ -949,6 +954,9 @@ def run_stages_blocks(
             lambda: landmark_tables(landmarks, block_table, lengths, params.sink_tokens, sizes,
                                     hq // (landmarks.shape[2] - 1)),
         )  # fmt: skip
+    # The ranking and top-k in one launch per stage (:mod:`triton_topk`), where no collective
+    # combines the ranking first and the ranking is one the kernel has
+    fused_top = reduce_scores is None and params.head_reduction in ("max", "z-score")
     for i in range(start_stage, n_stages):
         st = params.stages[i]
         stage_inputs.append(cand)
@@ -983,7 +991,7 @@ def run_stages_blocks(
             rotation = (ref.chunk_indexed_key_turn(c, block_min_pos, sw, widths), table)
         common = dict(chunk_size=st.chunk_size, probe=params.probe, precision=precision,
                       q_pooled_right=q_right, block_rows=stage_blocks.row,
-                      head_reduction=params.head_reduction,
+                      head_reduction=None if fused_top else params.head_reduction,
                       exact=params.exact_last_stage and i == n_stages - 1,
                       group_probes=params.group_probes,
                       reps=(rep_tables[st.chunk_size], params.sink_tokens)
@@ -1013,10 +1021,14 @@ def run_stages_blocks(
                     q_left, kv_cache, block_table, scored.starts, scored.valid & ~at,
                     key_limit, k_scale=k_scale, v_scale=v_scale, **common,
                 )  # fmt: skip
-                scores = torch.where(at, scores, as_cached)
-        if reduce_scores is not None:
-            scores = reduce_scores(scores)
-        kept_starts, kept_valid = ref.keep_top_chunks(scores, scored, keep)
+                scores = torch.where(at.view(-1, *[1] * (scores.dim() - 1)), scores, as_cached)
+        if fused_top:
+            kept_starts, kept_valid = keep_top_blocks(scores, scored.starts, keep,
+                                                      params.head_reduction)  # fmt: skip
+        else:
+            if reduce_scores is not None:
+                scores = reduce_scores(scores)
+            kept_starts, kept_valid = ref.keep_top_chunks(scores, scored, keep)
         if i == n_stages - 1:
             return ref.PruneResult(kept_starts, kept_valid, stage_inputs)
         nxt = params.stages[i + 1]

@@ -25,6 +25,7 @@ from vllm_infinitehip.kernels import decode as dec
 from vllm_infinitehip.kernels import reference as ref
 from vllm_infinitehip.kernels import triton_bsa
 from vllm_infinitehip.kernels import triton_decode as td
+from vllm_infinitehip.kernels import triton_topk
 from vllm_infinitehip.kernels.rope import RopeTable
 
 from tests.helpers import interpret
@@ -764,7 +765,8 @@ def test_z_score_ranking_by_tiles_of_heads_equals_reference():
     scores = dec.allocate_scores(dec.stage_widths(params, t), 2, torch.device(DEVICE), hq)
     for s in scores:
         s.copy_(torch.randn(s.shape, generator=gen).to(s.device))
-    assert [td._head_block(s, triton.next_power_of_2(s.shape[-1])) for s in scores] == [4, 8]
+    tiles = [triton_topk.head_block(s, triton.next_power_of_2(s.shape[-1])) for s in scores]
+    assert tiles == [4, 8]
     for fuse in (True, False):
         want = dec.DecodeMasks.allocate(params, 64, 1, torch.device("cpu"))
         got = dec.DecodeMasks.allocate(params, 64, 1, torch.device(DEVICE))

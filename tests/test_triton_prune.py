@@ -32,6 +32,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from vllm_infinitehip.kernels import reference as ref
 from vllm_infinitehip.kernels import triton_prune as tp
 from vllm_infinitehip.kernels import triton_rope as tr
+from vllm_infinitehip.kernels import triton_topk
 from vllm_infinitehip.kernels.rope import RopeTable, rope_cos_sin, rotate
 
 from tests.helpers import interpret
@@ -996,3 +997,76 @@ def test_remapped_pruning_below_the_trained_length_equals_reference(pruning):
     got = tp.run_stages_paged(params, q.to(DEVICE), cache, block_table, pos.to(DEVICE), scale,
                               seq_len=t)  # fmt: skip
     assert_same_selection(got, want)
+
+
+# --------------------------------------------------------------------------- fused top-k
+def _top_k_brute_force(scores: torch.Tensor, starts: torch.Tensor, keep: int, how: str):
+    """Each block's kept starts in position order, by Python loops in float64: per head the
+    z-score over its finite scores (or the raw score), the max over heads, then the ``keep``
+    best by (score, earlier chunk first)."""
+    out = []
+    for b in range(scores.shape[0]):
+        per_head = scores[b].double().view(-1, scores.shape[-1]).tolist()
+        best = [float("-inf")] * scores.shape[-1]
+        for row in per_head:
+            finite = [x for x in row if x != float("-inf")]
+            if how == "z-score" and finite:
+                mean = sum(finite) / len(finite)
+                std = max((sum((x - mean) ** 2 for x in finite) / len(finite)) ** 0.5, 1e-6)
+                row = [(x - mean) / std if x != float("-inf") else x for x in row]
+            best = [max(a, x) for a, x in zip(best, row)]
+        ranked = sorted((j for j in range(len(best)) if best[j] != float("-inf")),
+                        key=lambda j: (-best[j], j))  # fmt: skip
+        out.append(sorted(int(starts[b, j]) for j in ranked[:keep]))
+    return out
+
+
+@pytest.mark.parametrize(("how", "per_head"), [("z-score", True), ("max", True), ("max", False)])
+def test_fused_top_k_keeps_what_brute_force_and_the_reference_keep(how, per_head):
+    """keep_top_blocks (the ranking over heads and the top-k in one launch) against a float64
+    brute-force loop and against reference.reduce_heads + keep_top_chunks: the kept starts in
+    position order, invalid entries last. Blocks with every chunk valid, with a valid prefix
+    shorter or longer than ``keep``, and with none; heads with a single finite score (spread
+    0); more chunks than one tile of heads holds (several head tiles). Without per-head scores
+    the ranking given is taken as it is."""
+    gen = torch.Generator().manual_seed(11)
+    nb, h, c, keep = 6, 5, 300, 24
+    scores = torch.randn(nb, h, c, generator=gen) * 3
+    n_valid = [300, 10, 24, 0, 150, 25]
+    for b, n in enumerate(n_valid):
+        scores[b, :, n:] = float("-inf")
+    scores[4, 2, 1:] = float("-inf")  # a head with one finite score
+    scores[4, 3, ::7] = float("-inf")  # holes inside the valid prefix, in one head
+    starts = (64 + torch.arange(c) * 32).expand(nb, c).contiguous()
+    if not per_head:
+        scores = ref.reduce_heads(scores, "z-score")
+    got = triton_topk.keep_top_blocks(scores.to(DEVICE), starts.to(DEVICE), keep, how)
+    got_starts, got_valid = (t.cpu() for t in got)
+    assert got_valid.shape == (nb, keep) and got_valid.dtype == torch.bool
+    want = _top_k_brute_force(scores, starts, keep, how)
+    assert [int(n) for n in got_valid.sum(1)] == [min(keep, n) for n in n_valid]
+    for b in range(nb):
+        n = int(got_valid[b].sum())
+        assert bool(got_valid[b, :n].all())  # valid entries first
+        assert got_starts[b, :n].tolist() == want[b]
+    ranking = ref.reduce_heads(scores, how) if per_head else scores
+    ref_starts, ref_valid = ref.keep_top_chunks(ranking, ref.Candidates(starts, starts >= 0), keep)
+    assert torch.equal(ref_valid, got_valid)
+    assert torch.equal(ref_starts[ref_valid], got_starts[got_valid])
+
+
+def test_fused_top_k_breaks_ties_to_the_earlier_chunk_and_keeps_nothing_when_asked():
+    """Equal scores go to the earlier chunk (the kernel's rule: torch.topk's is unspecified);
+    keep 0 returns empty tensors; a bad keep or ranking is refused."""
+    scores = torch.zeros(1, 2, 8)
+    scores[0, :, 5] = 1.0  # one winner, then seven ties
+    starts = torch.arange(8).view(1, 8) * 16
+    got_starts, got_valid = triton_topk.keep_top_blocks(scores.to(DEVICE), starts.to(DEVICE), 3)
+    assert got_valid.cpu().tolist() == [[True, True, True]]
+    assert got_starts.cpu().tolist() == [[0, 16, 80]]
+    empty = triton_topk.keep_top_blocks(scores.to(DEVICE), starts.to(DEVICE), 0)
+    assert [tuple(t.shape) for t in empty] == [(1, 0), (1, 0)]
+    with pytest.raises(ValueError, match="keep=9"):
+        triton_topk.keep_top_blocks(scores, starts, 9)
+    with pytest.raises(ValueError, match="log-softmax"):
+        triton_topk.keep_top_blocks(scores, starts, 2, "log-softmax")
