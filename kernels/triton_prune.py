@@ -24,6 +24,8 @@ small. Without RoPE the rotation is compiled out.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -45,6 +47,8 @@ from .triton_rope import (
     split_blocks,
 )
 from .triton_topk import keep_top_blocks
+
+logger = logging.getLogger("vllm.vllm_infinitehip")
 
 PROBES = ("midpoint", "first")
 PRECISIONS = ("fp32", "tf32", "ieee", "fast")
@@ -624,23 +628,36 @@ def select_rep_scores_paged(
     )  # fmt: skip
     # A tile that needs more shared memory than the GPU has fails when it compiles (Triton's
     # OutOfResources; on an H100 two-sided group probes, two 64-row query tiles, asked for
-    # 295936 bytes at 3 stages and 278528 unpipelined, against 232448). The launch is then
-    # retried unpipelined, then with half the chunk tile, neither of which changes a score,
-    # and what compiled is kept for these settings.
+    # 295936 bytes at 3 stages, 278528 unpipelined and 266240 at 16 chunks, against 232448).
+    # The launch is then retried unpipelined, then with half the chunk tile, neither of which
+    # changes a score; past 16 chunks, over 16-bit keys, with one 16-bit product per probe
+    # (``precision="fast"``: half the operand bytes; scores move by about 1e-3 relative). What
+    # compiled is kept for these settings.
     fits = (q_pooled.device.index, *sorted(meta.items()))
-    tile = _TILE_FITS.get(fits, (block_chunk, num_stages))
+    tile = _TILE_FITS.get(fits, (block_chunk, num_stages, meta["FAST_DOT"]))
     while True:
+        chunks, stages, fast = tile
         try:
             _launch_select_rep(
                 q_pooled, q_pooled_right, kv_cache, block_table, block_rows, starts, valid,
                 key_limit, base_t, turn_t, hi_t, lo_t, per_head_out, k_sc, rep_table, nq, c, d,
-                bias, n_hi, rep_sink, stride_btr, rep_strides, *tile, meta,
+                bias, n_hi, rep_sink, stride_btr, rep_strides, chunks, stages,
+                {**meta, "FAST_DOT": fast},
             )  # fmt: skip
         except OutOfResources:
-            chunks, stages = tile
-            if stages == 1 and chunks <= 16:
+            if stages > 1:
+                tile = (chunks, 1, fast)
+            elif chunks > 16:
+                tile = (chunks // 2, 1, fast)
+            elif not fast and kv_cache.dtype in (torch.float16, torch.bfloat16):
+                logger.warning(
+                    "SelectRep with %d query rows%s does not fit this GPU's shared memory at "
+                    "%s precision: scoring these launches with 16-bit products", block_q,
+                    " on two sides" if q_pooled_right is not None else "", precision,
+                )  # fmt: skip
+                tile = (block_chunk, num_stages, True)
+            else:
                 raise
-            tile = (chunks, 1) if stages > 1 else (chunks // 2, 1)
             continue
         _TILE_FITS[fits] = tile
         if head_reduction is None:
@@ -648,8 +665,9 @@ def select_rep_scores_paged(
         return ref.reduce_heads(per_head_out, head_reduction)
 
 
-# settings of a SelectRep launch -> the (chunk tile, pipeline stages) that compiled for them
-_TILE_FITS: dict[tuple, tuple[int, int]] = {}
+# settings of a SelectRep launch -> the (chunk tile, pipeline stages, 16-bit products) that
+# compiled for them
+_TILE_FITS: dict[tuple, tuple[int, int, bool]] = {}
 
 
 def _launch_select_rep(

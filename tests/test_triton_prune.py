@@ -944,6 +944,7 @@ def test_a_chunk_tile_past_the_shared_memory_is_halved_until_it_compiles(monkeyp
     def small_tiles_only(*args):
         block_chunk, num_stages = args[-3], args[-2]
         tried.append((block_chunk, num_stages))
+        assert not args[-1]["FAST_DOT"]
         if block_chunk > 16:
             raise OutOfResources(block_chunk * 4096, 232448, "shared memory")
         launch(*args)
@@ -1070,3 +1071,42 @@ def test_fused_top_k_breaks_ties_to_the_earlier_chunk_and_keeps_nothing_when_ask
         triton_topk.keep_top_blocks(scores, starts, 9)
     with pytest.raises(ValueError, match="log-softmax"):
         triton_topk.keep_top_blocks(scores, starts, 2, "log-softmax")
+
+
+def test_a_launch_no_tile_fits_is_scored_with_16_bit_products(monkeypatch, caplog):
+    """When no tile fits at the asked precision (injected here: every launch with fp32 or
+    tf32 products fails), a launch over 16-bit keys is scored with one 16-bit product per
+    probe, as precision="fast" scores it, with one warning; over fp32 keys the error stands."""
+    from triton.runtime.errors import OutOfResources
+
+    launch = tp._launch_select_rep
+
+    def fast_only(*args):
+        if not args[-1]["FAST_DOT"]:
+            raise OutOfResources(266240, 232448, "shared memory")
+        launch(*args)
+
+    t, d, hq, hkv, chunk, scale = 300, 32, 4, 2, 8, 0.18
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(t, hkv, d, generator=gen)
+    qp = torch.randn(3, hq, 2, d, generator=gen) * scale
+    starts = torch.arange(0, 280, chunk).view(1, -1).expand(3, -1).contiguous()
+    valid = torch.ones_like(starts, dtype=torch.bool)
+    limit = torch.tensor([t, t, 200])
+    cache16, block_table = paged_cache(k, 16, gen, torch.bfloat16)
+    args = (qp.to(DEVICE), cache16, block_table, starts.to(DEVICE), valid.to(DEVICE),
+            limit.to(DEVICE))  # fmt: skip
+    monkeypatch.setattr(tp, "_TILE_FITS", {})
+    want = tp.select_rep_scores_paged(*args, chunk_size=chunk, group_probes=True,
+                                      precision="fast").cpu()  # fmt: skip
+    monkeypatch.setattr(tp, "_TILE_FITS", {})
+    monkeypatch.setattr(tp, "_launch_select_rep", fast_only)
+    with caplog.at_level("WARNING", logger="vllm.vllm_infinitehip"):
+        got = tp.select_rep_scores_paged(*args, chunk_size=chunk, group_probes=True,
+                                         precision="tf32").cpu()  # fmt: skip
+    assert torch.equal(got, want)
+    assert "16-bit products" in caplog.text
+    cache32, block_table = paged_cache(k, 16, gen)
+    with pytest.raises(OutOfResources):
+        tp.select_rep_scores_paged(qp.to(DEVICE), cache32, block_table, *args[3:],
+                                   chunk_size=chunk, group_probes=True)  # fmt: skip
