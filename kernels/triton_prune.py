@@ -773,9 +773,102 @@ def run_stages_paged(
     return ref.PruneResult(trim(result.block_starts, bq), trim(result.block_valid, bq), inputs)
 
 
-# Pages turned back per step of :func:`unrotated_key_pages`: its fp32 temporaries stay near
-# 64K tokens' worth (256 MB for 8 KV heads of 128), whatever the context.
-UNROTATE_PAGES = 4096
+@triton.jit
+def _turn_key_pages_kernel(
+    k_ptr,
+    src_pages_ptr,
+    first_pos_ptr,
+    out_ptr,
+    k_scale_ptr,
+    rope_hi_ptr,
+    rope_lo_ptr,
+    rope_bias,
+    rope_n_hi,
+    n_heads,
+    head_dim,
+    sink,
+    chunk,
+    stride_kpage,
+    stride_ktok,
+    stride_khead,
+    stride_kd,
+    stride_opage,
+    stride_otok,
+    stride_ohead,
+    PAGE_SIZE: tl.constexpr,
+    ORDINAL: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    LO_BITS: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Output page ``p``: every key of cache page ``src_pages[p]`` (its tokens at positions
+    ``first_pos[p] + i``), all heads, turned from its position to 0 (or, with ``ORDINAL``, to
+    its first-stage chunk's ordinal)."""
+    p = tl.program_id(0).to(tl.int64)
+    src = tl.load(src_pages_ptr + p).to(tl.int64)
+    first = tl.load(first_pos_ptr + p).to(tl.int32)
+    r = tl.arange(0, BLOCK_T * BLOCK_H)
+    tok = r // BLOCK_H
+    head = r % BLOCK_H
+    ok = (tok < PAGE_SIZE) & (head < n_heads)
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+    else:
+        k_scale = 1.0
+    rows = k_ptr + src * stride_kpage + tok * stride_ktok + head * stride_khead
+    xa, xb, xp = load_split(rows, ok, stride_kd, head_dim, k_scale, KV_FP8, ROT_DIM, IS_NEOX,
+                            BLOCK_F, BLOCK_P)  # fmt: skip
+    pos = first + tok
+    target = tl.zeros_like(pos)
+    if ORDINAL:
+        target = tl.maximum(pos - sink, 0) // chunk
+    ya, yb = rotate_split(xa, xb, target - pos, ok, rope_hi_ptr, rope_lo_ptr, rope_bias,
+                          rope_n_hi, ROT_DIM, LO_BITS, BLOCK_F)  # fmt: skip
+    out_rows = out_ptr + p * stride_opage + tok * stride_otok + head * stride_ohead
+    offs_f = tl.arange(0, BLOCK_F)
+    dim_a, dim_b = pair_dims(offs_f, ROT_DIM, IS_NEOX)
+    m = ok[:, None] & (offs_f < ROT_DIM // 2)[None, :]
+    tl.store(out_rows[:, None] + dim_a[None, :], ya, mask=m)
+    tl.store(out_rows[:, None] + dim_b[None, :], yb, mask=m)
+    if BLOCK_P > 0:
+        offs_p = ROT_DIM + tl.arange(0, BLOCK_P)
+        tl.store(out_rows[:, None] + offs_p[None, :], xp,
+                 mask=ok[:, None] & (offs_p < head_dim)[None, :])  # fmt: skip
+
+
+def _turned_copy(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    blocks: QueryBlocks,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]]:
+    """The turned copy's buffer (uninitialised), its block table, and the pages each covered
+    row of ``block_table`` copies (:func:`unrotated_key_pages`)."""
+    page = kv_cache.shape[2]
+    lengths = blocks.row_lengths(block_table.shape[0], block_table.shape[1] * page)
+    dtype = torch.bfloat16 if ref.is_fp8_cache(kv_cache) else kv_cache.dtype
+    if precision in ("fp32", "ieee"):
+        dtype = torch.float32
+    pages = {row: min(-(-n // page), block_table.shape[1]) for row, n in lengths.items()}
+    out = torch.empty(max(sum(pages.values()), 1), 1, page, *kv_cache.shape[3:], dtype=dtype,
+                      device=kv_cache.device)  # fmt: skip
+    # the copy's table is the same in every layer of a step: made once, kept with the blocks
+    table_key = ("unrotated_key_pages", tuple(block_table.shape), page)
+    turned_table = blocks._derived.get(table_key)
+    if turned_table is None:
+        host_table = torch.zeros(tuple(block_table.shape), dtype=torch.int32)
+        at = 0
+        for row, n in pages.items():
+            host_table[row, :n] = torch.arange(at, at + n, dtype=torch.int32)
+            at += n
+        turned_table = host_table.to(kv_cache.device, non_blocking=True)
+        blocks._derived[table_key] = turned_table
+    return out, turned_table, pages
 
 
 def unrotated_key_pages(
@@ -797,32 +890,58 @@ def unrotated_key_pages(
 
     Pruning then reads these keys as they lie instead of rotating each probe in the kernel: a
     key is turned once here, where a 32K-query chunk's probes read it about 200 times at 512K.
-    The rotation is :func:`rope.rotate`'s (float32; an fp8 cache dequantized with ``k_scale``
-    first). With ``precision`` ``"fp32"`` or ``"ieee"`` (:func:`select_rep_scores_paged`'s,
-    scores as accurate as the reference's) the copy stays float32; otherwise it is rounded to a
-    16-bit cache's dtype, as a rotated cache is, or to bf16 for an fp8 cache (half the memory).
-    Row ``r`` is covered up to the longest ``seq_len`` of its parts; nothing past it is
-    probed."""
+    One Triton launch, one program per page (all heads), memory-bound: the angles come from
+    the float64-built delta tables (:mod:`triton_rope`, within about 3e-7 of the truth at any
+    position), so no angle is formed per key. In float32 (an fp8 cache dequantized with
+    ``k_scale`` first), as :func:`unrotated_key_pages_reference` does with :func:`rope.rotate`.
+    With ``precision`` ``"fp32"`` or ``"ieee"`` (:func:`select_rep_scores_paged`'s, scores as
+    accurate as the reference's) the copy stays float32; otherwise it is rounded to a 16-bit
+    cache's dtype, as a rotated cache is, or to bf16 for an fp8 cache (half the memory). Row
+    ``r`` is covered up to the longest ``seq_len`` of its parts; nothing past it is probed."""
+    out, turned_table, pages = _turned_copy(kv_cache, block_table, blocks, precision)
+    if not pages or not any(pages.values()):
+        return out, turned_table
+    page, hkv, d = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    device = kv_cache.device
+    check_layout(table, d)
+    src = torch.cat([block_table[row, :n].reshape(-1) for row, n in pages.items()])
+    first_pos = torch.cat([torch.arange(n, device=device, dtype=torch.int32) * page
+                           for n in pages.values()])  # fmt: skip
+    cache, k_sc, _, fp8 = kv_quant_args(kv_cache, k_scale, k_scale)
+    tables = delta_tables(table, block_table.shape[1] * page, device)
+    block_f, block_p = split_blocks(table.rotary_dim, d)
+    sink, chunk = ordinal_chunks or (0, 1)
+    _turn_key_pages_kernel[(src.shape[0],)](
+        cache, src, first_pos, out, k_sc, tables.hi, tables.lo, tables.bias, tables.n_hi, hkv,
+        d, sink, chunk, cache.stride(0), cache.stride(2), cache.stride(3), cache.stride(4),
+        out.stride(0), out.stride(2), out.stride(3),
+        PAGE_SIZE=page, ORDINAL=ordinal_chunks is not None, KV_FP8=fp8,
+        ROT_DIM=table.rotary_dim, IS_NEOX=table.is_neox, LO_BITS=LO_BITS, BLOCK_F=block_f,
+        BLOCK_P=block_p, BLOCK_T=triton.next_power_of_2(page),
+        BLOCK_H=triton.next_power_of_2(hkv), num_warps=4,
+    )  # fmt: skip
+    return out, turned_table
+
+
+# Pages turned back per step of :func:`unrotated_key_pages_reference`: its fp32 temporaries
+# stay near 64K tokens' worth (256 MB for 8 KV heads of 128), whatever the context.
+UNROTATE_PAGES = 4096
+
+
+def unrotated_key_pages_reference(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    blocks: QueryBlocks,
+    table: RopeTable,
+    k_scale: float | torch.Tensor | None = None,
+    ordinal_chunks: tuple[int, int] | None = None,
+    precision: str = "fp32",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`unrotated_key_pages` in PyTorch: each page range turned by :func:`rope.rotate`
+    (angles in float64 per key)."""
+    out, turned_table, pages = _turned_copy(kv_cache, block_table, blocks, precision)
     page = kv_cache.shape[2]
-    lengths = blocks.row_lengths(block_table.shape[0], block_table.shape[1] * page)
     fp8 = ref.is_fp8_cache(kv_cache)
-    dtype = torch.bfloat16 if fp8 else kv_cache.dtype
-    if precision in ("fp32", "ieee"):
-        dtype = torch.float32
-    pages = {row: min(-(-n // page), block_table.shape[1]) for row, n in lengths.items()}
-    out = torch.empty(max(sum(pages.values()), 1), 1, page, *kv_cache.shape[3:], dtype=dtype,
-                      device=kv_cache.device)  # fmt: skip
-    # the copy's table is the same in every layer of a step: made once, kept with the blocks
-    table_key = ("unrotated_key_pages", tuple(block_table.shape), page)
-    turned_table = blocks._derived.get(table_key)
-    if turned_table is None:
-        host_table = torch.zeros(tuple(block_table.shape), dtype=torch.int32)
-        at = 0
-        for row, n in pages.items():
-            host_table[row, :n] = torch.arange(at, at + n, dtype=torch.int32)
-            at += n
-        turned_table = host_table.to(kv_cache.device, non_blocking=True)
-        blocks._derived[table_key] = turned_table
     at = 0
     for row, n in pages.items():
         for lo in range(0, n, UNROTATE_PAGES):
@@ -830,7 +949,7 @@ def unrotated_key_pages(
             k = kv_cache[block_table[row, lo:hi].long(), 0]
             if fp8:
                 k = ref.dequantize_fp8(k, k_scale)
-            elif dtype == torch.float32:  # rotate returns its input's dtype: keep fp32 here
+            elif out.dtype == torch.float32:  # rotate returns its input's dtype: keep fp32 here
                 k = k.float()
             pos = torch.arange(lo * page, hi * page, device=k.device).view(hi - lo, page)
             target = 0

@@ -565,6 +565,44 @@ def test_unrotated_key_pages_hold_the_keys_at_position_zero(fp8):
         torch.testing.assert_close(got, rotate(k0, ordinal, table), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("is_neox", "rotary_dim", "hkv", "dtype", "ordinal"),
+    [(True, 64, 2, torch.float32, False), (False, 48, 3, torch.bfloat16, False),
+     (True, 32, 3, torch.float32, True), (True, 64, 2, torch.uint8, True)],
+    ids=["neox-fp32", "gptj-partial-bf16", "partial-ordinal", "fp8-ordinal"],
+)  # fmt: skip
+def test_turned_key_pages_equal_the_torch_reference(is_neox, rotary_dim, hkv, dtype, ordinal):
+    """The Triton turn (one program per page, angles from the delta tables) against the torch
+    loop (rope.rotate, float64 angles per key), page for page: NeoX and GPT-J pairing, partial
+    rotary, a head count that is not a power of two, an fp8 cache, and chunk ordinals."""
+    from vllm_infinitehip.kernels.query_blocks import QueryBlocks, RequestPart
+
+    t, d, page, k_scale = 300, 64, 16, 0.05
+    gen = torch.Generator().manual_seed(4)
+    dims = torch.arange(0, rotary_dim, 2, dtype=torch.float64)
+    inv_freq = 1.0 / (10000.0 ** (dims / rotary_dim))
+    table = RopeTable(inv_freq, is_neox)
+    k = torch.randn(t, hkv, d, generator=gen)
+    cache, row = paged_cache(rotate(k, torch.arange(t), table), page, gen)
+    cache = cache.nan_to_num()  # spare pages: zeros here, whatever fp8 makes of NaN
+    if dtype == torch.uint8:
+        cache, _ = fp8_of(cache, k_scale, 1.0)
+    else:
+        cache = cache.to(dtype)
+    block_table = torch.stack([row, row.flip(0)])
+    blocks = QueryBlocks.plan([RequestPart(1, 0, 30, 250, 280), RequestPart(0, 0, 20, 270, t)],
+                              16, DEVICE)  # fmt: skip
+    chunks = (16, 32) if ordinal else None
+    for precision in ("fp32", "tf32"):
+        got, got_table = tp.unrotated_key_pages(cache, block_table.to(DEVICE), blocks, table,
+                                                k_scale, chunks, precision)  # fmt: skip
+        want, want_table = tp.unrotated_key_pages_reference(
+            cache, block_table.to(DEVICE), blocks, table, k_scale, chunks, precision)
+        assert got.dtype == want.dtype and torch.equal(got_table, want_table)
+        tol = 1e-5 if got.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float().cpu(), want.float().cpu(), rtol=tol, atol=tol)
+
+
 def test_calls_sharing_a_dict_turn_the_keys_back_once(monkeypatch):
     """Two kinds of part of one batch (a chunk's body and its tail) over one cache: with one
     ``shared`` dict the keys are turned back once, and each call selects what the reference
