@@ -631,8 +631,9 @@ def select_rep_scores_paged(
     # 295936 bytes at 3 stages, 278528 unpipelined and 266240 at 16 chunks, against 232448).
     # The launch is then retried unpipelined, then with half the chunk tile, neither of which
     # changes a score; past 16 chunks, over 16-bit keys, with one 16-bit product per probe
-    # (``precision="fast"``: half the operand bytes; scores move by about 1e-3 relative). What
-    # compiled is kept for these settings.
+    # (``precision="fast"``: half the operand bytes; scores move by about 1e-3 relative); over
+    # float32 keys it fails naming the settings that avoid it. What compiled is kept for these
+    # settings.
     fits = (q_pooled.device.index, *sorted(meta.items()))
     tile = _TILE_FITS.get(fits, (block_chunk, num_stages, meta["FAST_DOT"]))
     while True:
@@ -644,7 +645,7 @@ def select_rep_scores_paged(
                 bias, n_hi, rep_sink, stride_btr, rep_strides, chunks, stages,
                 {**meta, "FAST_DOT": fast},
             )  # fmt: skip
-        except OutOfResources:
+        except OutOfResources as err:
             if stages > 1:
                 tile = (chunks, 1, fast)
             elif chunks > 16:
@@ -656,6 +657,14 @@ def select_rep_scores_paged(
                     " on two sides" if q_pooled_right is not None else "", precision,
                 )  # fmt: skip
                 tile = (block_chunk, num_stages, True)
+            elif not fast:  # float32 keys (an exact precision's turned copy): no 16-bit products
+                raise RuntimeError(
+                    f"SelectRep with {block_q} query rows"
+                    f"{' on two sides' if q_pooled_right is not None else ''} over float32 keys "
+                    "fits no chunk tile in this GPU's shared memory: score with 16-bit keys "
+                    "(scoring_precision \"tf32\") or per-head probes (prefill_representatives "
+                    "\"bisection\")"
+                ) from err
             else:
                 raise
             continue

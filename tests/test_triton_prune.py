@@ -1114,7 +1114,8 @@ def test_fused_top_k_breaks_ties_to_the_earlier_chunk_and_keeps_nothing_when_ask
 def test_a_launch_no_tile_fits_is_scored_with_16_bit_products(monkeypatch, caplog):
     """When no tile fits at the asked precision (injected here: every launch with fp32 or
     tf32 products fails), a launch over 16-bit keys is scored with one 16-bit product per
-    probe, as precision="fast" scores it, with one warning; over fp32 keys the error stands."""
+    probe, as precision="fast" scores it, with one warning; over fp32 keys the error names the
+    settings that avoid it."""
     from triton.runtime.errors import OutOfResources
 
     launch = tp._launch_select_rep
@@ -1145,6 +1146,7 @@ def test_a_launch_no_tile_fits_is_scored_with_16_bit_products(monkeypatch, caplo
     assert torch.equal(got, want)
     assert "16-bit products" in caplog.text
     cache32, block_table = paged_cache(k, 16, gen)
-    with pytest.raises(OutOfResources):
+    with pytest.raises(RuntimeError, match="scoring_precision") as raised:
         tp.select_rep_scores_paged(qp.to(DEVICE), cache32, block_table, *args[3:],
                                    chunk_size=chunk, group_probes=True)  # fmt: skip
+    assert isinstance(raised.value.__cause__, OutOfResources)
