@@ -451,15 +451,15 @@ def select_rep_scores_paged(
     :func:`reference.reduce_heads` does (``None``: the per-head scores ``[n_blocks, H, C]``
     are returned, for :func:`triton_topk.keep_top_blocks`); ``exact`` scores each chunk by its
     best key (every key loaded, against the left-branch queries) instead of bisecting, as the
-    reference's ``exact``. ``reps = (table, sink)`` (not with ``exact``) scores each chunk by one key per
-    head instead, its landmark representative: ``table [rows, n, H]`` (a block's request row,
-    as ``block_rows``; ``H`` divides ``H_q``) holds it for every aligned chunk ``[sink + j *
-    chunk_size, ...)`` (:func:`reference.landmark_table`), and a chunk is looked up by its
-    ordinal, so candidate starts must be aligned so. This is the reference's ``landmarks`` for
-    every chunk that ends before its block's key limit. ``group_probes`` (not with ``exact``):
-    the query heads of each KV group bisect one path, as the reference's: one program per
-    (block, tile, KV head) holds the group's queries as its rows, so each probe key is read
-    once for the group (``per_head_out`` is then ``[n_blocks, H_kv, C]``).
+    reference's ``exact``. ``reps = (table, sink)`` (not with ``exact``) scores each chunk by
+    one key per head instead, its landmark representative: ``table [rows, n, H]`` (a block's
+    request row, as ``block_rows``; ``H`` divides ``H_q``) holds it for every aligned chunk
+    ``[sink + j * chunk_size, ...)`` (:func:`reference.landmark_table`), and a chunk is looked
+    up by its ordinal, so candidate starts must be aligned so. This is the reference's
+    ``landmarks`` for every chunk that ends before its block's key limit. ``group_probes``
+    (not with ``exact``): the query heads of each KV group bisect one path, as the reference's:
+    one program per (block, tile, KV head) holds the group's queries as its rows, so each probe
+    key is read once for the group (``per_head_out`` is then ``[n_blocks, H_kv, C]``).
 
     ``q_pooled`` is ``[n_blocks, H_q, n_q, D]``, already multiplied by the softmax scale; a row
     containing NaN is an absent query (as :func:`reference.pool_queries` produces) and takes no
