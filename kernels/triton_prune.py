@@ -33,7 +33,7 @@ from triton.runtime.errors import OutOfResources
 
 from . import reference as ref
 from .query_blocks import QueryBlocks, pool_block_queries, shared_once
-from .rope import RopeTable, rotate
+from .rope import RopeTable, relative_positions, rope_cos_sin, rotate
 from .triton_bsa import kv_quant_args
 from .triton_landmark import landmark_tables
 from .triton_rope import (
@@ -42,6 +42,7 @@ from .triton_rope import (
     delta_tables,
     load_split,
     pair_dims,
+    rope_pair_layout,
     rope_table_on,
     rotate_split,
     split_blocks,
@@ -87,6 +88,9 @@ def _probe_scores(
     BLOCK_P: tl.constexpr,
     k_scale,
     KV_FP8: tl.constexpr,
+    turn_rows,
+    right_cs_ptr,
+    RIGHT_TURN: tl.constexpr,
 ):
     """Per position in ``pos``: max over the block's present queries of q·k at that key.
 
@@ -96,7 +100,9 @@ def _probe_scores(
     keys and queries come split by the rotation pairs (:func:`triton_rope.load_split`; the
     queries ``[part, n_q]``): one product per part. With ``KV_FP8`` the keys are e4m3,
     dequantized as ``float32(k) * k_scale`` before anything else, so the rest is the fp32-key
-    arithmetic.
+    arithmetic. With ``RIGHT_TURN`` (and no ``ROPE``) the keys of ``turn_rows`` are turned by
+    one constant angle first, its cos and sin per rotation pair at ``right_cs_ptr``: relative
+    style's right-branch probes, scored against the left-branch queries.
     """
     page = tl.load(block_table_ptr + pos // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
     # int64: a large cache spans more than 2**31 elements.
@@ -123,6 +129,18 @@ def _probe_scores(
                     mask=mask[:, None] & d_in[None, :], other=0.0)  # fmt: skip
         if KV_FP8:
             k = k.to(tl.float32) * k_scale
+        if RIGHT_TURN:
+            # x cos + partner sign sin per pair (one angle for every row); the partners' lines
+            # were just loaded, so the second gather hits L1
+            partner, freq, sign, rot = rope_pair_layout(offs_d, ROT_DIM, IS_NEOX)
+            kp = tl.load(rows[:, None] + partner[None, :] * stride_kd,
+                         mask=(mask & turn_rows)[:, None] & d_in[None, :], other=0.0)  # fmt: skip
+            if KV_FP8:
+                kp = kp.to(tl.float32) * k_scale
+            cos = tl.load(right_cs_ptr + freq, mask=rot, other=1.0)
+            sin = tl.load(right_cs_ptr + ROT_DIM // 2 + freq, mask=rot, other=0.0)
+            turned = k.to(tl.float32) * cos[None, :] + kp.to(tl.float32) * (sign * sin)[None, :]
+            k = tl.where(turn_rows[:, None], turned, k.to(tl.float32))
         if FAST_DOT:
             # Tensor-core precision: 16-bit keys as stored (q_t was cast to match), or tf32.
             s = tl.dot(k.to(qa_t.dtype), qa_t)
@@ -201,6 +219,7 @@ def _select_rep_kernel(
     out_ptr,
     k_scale_ptr,
     reps_ptr,
+    right_cs_ptr,
     n_q,
     n_chunks,
     head_dim,
@@ -249,6 +268,7 @@ def _select_rep_kernel(
     EXACT: tl.constexpr,
     REPS: tl.constexpr,
     HEADS_PER_REP: tl.constexpr,
+    RIGHT_TURN: tl.constexpr,
 ):
     blk = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -328,6 +348,7 @@ def _select_rep_kernel(
                 offs_d, d_in, head_dim, stride_kpage, stride_ktok, stride_kd, base - key_pos,
                 turn, rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT,
                 PRECISION, ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
+                valid, right_cs_ptr, False,
             )  # fmt: skip
             best = tl.where(key_live, tl.maximum(best, key_s), best)
         n_iters = 0
@@ -342,6 +363,7 @@ def _select_rep_kernel(
             head_dim, stride_kpage, stride_ktok, stride_kd, base - rep, turn, rope_hi_ptr,
             rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM,
             IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
+            valid, right_cs_ptr, False,
         )  # fmt: skip
         best = tl.where(valid, rep_s, best)
         n_iters = 0
@@ -361,17 +383,21 @@ def _select_rep_kernel(
                 d_in, head_dim, stride_kpage, stride_ktok, stride_kd, base - p_left, turn,
                 rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION,
                 ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
+                valid, right_cs_ptr, False,
             )  # fmt: skip
             s_right = _probe_scores(
                 k_head_ptr, block_table_ptr, p_right, live, ra_t, rb_t, rp_t, q_absent, offs_d,
                 d_in, head_dim, stride_kpage, stride_ktok, stride_kd, base - p_right, turn,
                 rope_hi_ptr, rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION,
                 ROPE, ROT_DIM, IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
+                valid, right_cs_ptr, False,
             )  # fmt: skip
         else:
-            # Both halves' probes in one [2 * BLOCK_CHUNK, D] tile: one product per step.
+            # Both halves' probes in one [2 * BLOCK_CHUNK, D] tile: one product per step (with
+            # RIGHT_TURN the right ones, the odd rows, turned first).
             pos = tl.reshape(tl.join(p_left, p_right), [2 * BLOCK_CHUNK])
             need = tl.reshape(tl.join(live, live), [2 * BLOCK_CHUNK])
+            turn_rows = (tl.arange(0, 2 * BLOCK_CHUNK) % 2) == 1
             if ROPE:
                 delta = tl.reshape(tl.join(base - p_left, base - p_right), [2 * BLOCK_CHUNK])
             else:
@@ -381,6 +407,7 @@ def _select_rep_kernel(
                 head_dim, stride_kpage, stride_ktok, stride_kd, delta, turn, rope_hi_ptr,
                 rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM,
                 IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
+                turn_rows, right_cs_ptr, RIGHT_TURN,
             )  # fmt: skip
             s_left, s_right = tl.split(tl.reshape(s, [BLOCK_CHUNK, 2]))
         # Strictly greater goes left, so a tie descends right, as in the reference.
@@ -398,6 +425,7 @@ def _select_rep_kernel(
             head_dim, stride_kpage, stride_ktok, stride_kd, base - left, turn, rope_hi_ptr,
             rope_lo_ptr, rope_bias, rope_n_hi, PAGE_SIZE, FAST_DOT, PRECISION, ROPE, ROT_DIM,
             IS_NEOX, LO_BITS, BLOCK_F, BLOCK_P, k_scale, KV_FP8,
+            valid, right_cs_ptr, False,
         )  # fmt: skip
         best = tl.where(single, s_single, best)
     # Invalid chunks were never live nor single, so they still hold -inf.
@@ -444,6 +472,7 @@ def select_rep_scores_paged(
     exact: bool = False,
     reps: tuple[torch.Tensor, int] | None = None,
     group_probes: bool = False,
+    right_turn: tuple[int, RopeTable] | None = None,
 ) -> torch.Tensor:
     """SelectRep chunk scores ``[n_blocks, C]`` float32, equal to ``reference.select_rep_scores``.
 
@@ -485,6 +514,12 @@ def select_rep_scores_paged(
     - ``turn_blocks`` (``[n_blocks]`` bool, with ``key_rotation``): only those blocks' keys
       turn; the others are scored as cached (a block at true positions, whose queries the
       caller left at their true positions too).
+    - ``right_turn = (delta, table)`` (not with either option above): every right-branch probe
+      key turns by the constant ``delta`` before it is scored against ``q_pooled``. Relative
+      style over keys at position 0 (:func:`unrotated_key_pages`) with the left-branch queries:
+      ``q_right · k = q_left · R(delta) k`` for ``delta`` the right probe's position minus the
+      left one's (1), so one query set and one product per step serve both branches, where
+      ``q_pooled_right`` takes a second query set and two products.
 
     Without either option the kernel is compiled exactly as before: no extra loads or products.
 
@@ -575,6 +610,15 @@ def select_rep_scores_paged(
         # Placeholders for the compiled-out rotation (any tensor; never read).
         rope_args = (starts, starts, starts, starts, 0, 1)
         rope_meta = dict(ROPE=False, ROT_DIM=0, IS_NEOX=True, BLOCK_F=16, BLOCK_P=0)
+    right_cs = starts  # placeholder; never read without RIGHT_TURN
+    if right_turn is not None:
+        if key_rotation is not None or q_pooled_right is not None:
+            raise ValueError("right_turn takes the place of key_rotation and q_pooled_right")
+        delta, turn_table = right_turn
+        check_layout(turn_table, d)
+        cos, sin = rope_cos_sin(delta, rope_table_on(turn_table, q_pooled.device))
+        right_cs = torch.cat([cos, sin]).to(q_pooled.device)
+        rope_meta = dict(rope_meta, ROT_DIM=turn_table.rotary_dim, IS_NEOX=turn_table.is_neox)
     if nb == 0 or c == 0:
         return per_head_out if head_reduction is None else per_head_out.new_empty(nb, c)
     use_reps = reps is not None and not exact
@@ -615,6 +659,7 @@ def select_rep_scores_paged(
         EXACT=exact,
         REPS=use_reps,
         HEADS_PER_REP=heads_per_rep,
+        RIGHT_TURN=right_turn is not None,
         MIDPOINT=probe == "midpoint",
         FAST_DOT=precision == "fast",
         PRECISION={"ieee": "ieee", "tf32": "tf32"}.get(precision, "tf32x3"),
@@ -641,8 +686,8 @@ def select_rep_scores_paged(
         try:
             _launch_select_rep(
                 q_pooled, q_pooled_right, kv_cache, block_table, block_rows, starts, valid,
-                key_limit, base_t, turn_t, hi_t, lo_t, per_head_out, k_sc, rep_table, nq, c, d,
-                bias, n_hi, rep_sink, stride_btr, rep_strides, chunks, stages,
+                key_limit, base_t, turn_t, hi_t, lo_t, per_head_out, k_sc, rep_table, right_cs,
+                nq, c, d, bias, n_hi, rep_sink, stride_btr, rep_strides, chunks, stages,
                 {**meta, "FAST_DOT": fast},
             )  # fmt: skip
         except OutOfResources as err:
@@ -681,8 +726,8 @@ _TILE_FITS: dict[tuple, tuple[int, int, bool]] = {}
 
 def _launch_select_rep(
     q_pooled, q_pooled_right, kv_cache, block_table, block_rows, starts, valid, key_limit, base_t,
-    turn_t, hi_t, lo_t, per_head_out, k_sc, rep_table, nq, c, d, bias, n_hi, rep_sink,
-    stride_btr, rep_strides, block_chunk, num_stages, meta,
+    turn_t, hi_t, lo_t, per_head_out, k_sc, rep_table, right_cs, nq, c, d, bias, n_hi,
+    rep_sink, stride_btr, rep_strides, block_chunk, num_stages, meta,
 ) -> None:  # fmt: skip
     grid = (q_pooled.shape[0], triton.cdiv(c, block_chunk), q_pooled.shape[1])
     _select_rep_kernel[grid](
@@ -701,6 +746,7 @@ def _launch_select_rep(
         per_head_out,
         k_sc,
         rep_table,
+        right_cs,
         nq,
         c,
         d,
@@ -1082,6 +1128,14 @@ def run_stages_blocks(
         # Score un-rotated queries, placed below where the style says (as the reference).
         rows = rotate(rows.view(-1, hq, d), -positions.view(-1), table)
 
+    # Relative style (§2) scores each left probe from a query sw' + 1 after it and each right
+    # probe from one sw' after it; over keys at 0 the right probes turn by the probes' gap
+    # instead of taking queries of their own (select_rep_scores_paged's right_turn)
+    right_turn, left_turn = None, 0
+    if style == "relative":
+        rel = relative_positions(sw)
+        left_turn = int(rel.query_pos - rel.left_probe_pos)
+        right_turn = (int(rel.right_probe_pos - rel.left_probe_pos), table)
     stage_inputs: list[ref.Candidates] = []
     # (block size, stride) -> pooled queries: stages often share them
     pooled: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -1119,7 +1173,8 @@ def run_stages_blocks(
             shape, groups = (-1, st.block_size_q, hq, d), present.view(-1, st.block_size_q)
             qp = pool_block_queries(rows.view(shape), groups, st.query_stride) * scale
             if style == "relative":
-                pooled[pooling] = ref.relative_queries(qp, table, sw)
+                # the left-branch queries alone: the right probes turn by right_turn instead
+                pooled[pooling] = (rotate(qp, left_turn, table), None)
             else:
                 pooled[pooling] = (qp, None)
             if turn is not None:
@@ -1160,7 +1215,7 @@ def run_stages_blocks(
                 q_turned = rotate(q_left.transpose(1, 2), q_pos, table).transpose(1, 2)
             scores = select_rep_scores_paged(
                 q_turned, turned_keys[0], turned_keys[1], scored.starts, scored.valid & at,
-                key_limit, **common,
+                key_limit, right_turn=right_turn, **common,
             )  # fmt: skip
             if not all_turn:
                 as_cached = select_rep_scores_paged(

@@ -444,6 +444,8 @@ ROPE_CASES = {
                            torch.bfloat16, GPTJ_TABLE),
     "chunk-indexed-partial-rotary": ("chunk-indexed", 500, 64, 16, 4, 1, 16, "first", 16, 4,
                                      torch.float32, PARTIAL_TABLE),
+    "relative-partial-rotary": ("relative", 400, 64, 16, 4, 2, 16, "midpoint", 16, 4,
+                                torch.float32, PARTIAL_TABLE),
 }  # fmt: skip
 
 
@@ -499,6 +501,21 @@ def test_scores_with_key_rotation_equal_reference(name):
         key_limit.to(DEVICE), chunk_size=chunk, probe=probe,
     ).cpu()  # fmt: skip
     assert (plain[fin] - want[fin]).abs().max() > 1e-2
+    if style == "relative":
+        # Over the keys at position 0 with the left queries alone, the right probes turned by
+        # the probes' gap (1) in the kernel: the same scores as the two query sets
+        cache0, block_table0 = paged_cache(k0, page, gen)
+        turned = tp.select_rep_scores_paged(
+            q_left.to(DEVICE), cache0, block_table0, starts.to(DEVICE), valid.to(DEVICE),
+            key_limit.to(DEVICE), chunk_size=chunk, probe=probe, right_turn=(1, table),
+        ).cpu()  # fmt: skip
+        assert torch.equal(torch.isneginf(turned), torch.isneginf(want))
+        torch.testing.assert_close(turned[fin], want[fin], rtol=1e-4, atol=1e-4)
+        unturned = tp.select_rep_scores_paged(
+            q_left.to(DEVICE), cache0, block_table0, starts.to(DEVICE), valid.to(DEVICE),
+            key_limit.to(DEVICE), chunk_size=chunk, probe=probe,
+        ).cpu()  # fmt: skip
+        assert not torch.equal(unturned, turned)  # the turn decides some probes
 
 
 def test_key_rotation_rejects_bad_layouts():
@@ -511,6 +528,10 @@ def test_key_rotation_rejects_bad_layouts():
     with pytest.raises(ValueError, match="q_pooled_right"):
         tp.select_rep_scores_paged(qp, cache, z[0], z, z.bool(), z[:, 0] + 1, chunk_size=8,
                                    q_pooled_right=qp[:, :, :2])  # fmt: skip
+    with pytest.raises(ValueError, match="right_turn takes the place"):
+        tp.select_rep_scores_paged(qp, cache, z[0], z, z.bool(), z[:, 0] + 1, chunk_size=8,
+                                   q_pooled_right=qp,
+                                   right_turn=(1, RopeTable.default(32)))  # fmt: skip
 
 
 # --------------------------------------------------------------------------- RoPE: the cascade
