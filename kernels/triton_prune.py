@@ -1058,7 +1058,8 @@ def run_stages_blocks(
     is done as the reference does it. The queries are un-rotated from their true positions and
     placed by torch (small tensors). Relative style puts every probe key at position 0: the
     keys are turned there once per call (:func:`unrotated_key_pages`) and the kernel reads them
-    plainly. Chunk-indexed style does the same in its first stage, where a key's position is
+    plainly against the left-branch queries, turning each right-branch probe by the probes'
+    one-position gap (``right_turn``). Chunk-indexed style does the same in its first stage, where a key's position is
     its chunk's ordinal over the live context (the queries then move to each block's position
     instead of the keys); its later stages move each probe key in-kernel from its true position
     (see :func:`select_rep_scores_paged`). Blocks whose last query sits below the pruning's remap
@@ -1138,7 +1139,7 @@ def run_stages_blocks(
         right_turn = (int(rel.right_probe_pos - rel.left_probe_pos), table)
     stage_inputs: list[ref.Candidates] = []
     # (block size, stride) -> pooled queries: stages often share them
-    pooled: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+    pooled: dict[tuple[int, int], torch.Tensor] = {}
     n_stages = len(params.stages)
     rep_tables: dict[int, torch.Tensor] = {}
     if landmarks is not None:
@@ -1162,7 +1163,6 @@ def run_stages_blocks(
         stage_inputs.append(cand)
         scored = ref.drop_window_candidates(params, cand, block_min_pos) if i > 0 else cand
         c = cand.starts.shape[1]
-        n_blocks = key_limit.shape[0]
         keep = min(st.keep_tokens // st.chunk_size, c)
         pooling = (st.block_size_q, st.query_stride)
         # Blocks below the trained length score their true queries against the keys as cached,
@@ -1174,24 +1174,18 @@ def run_stages_blocks(
             qp = pool_block_queries(rows.view(shape), groups, st.query_stride) * scale
             if style == "relative":
                 # the left-branch queries alone: the right probes turn by right_turn instead
-                pooled[pooling] = (rotate(qp, left_turn, table), None)
-            else:
-                pooled[pooling] = (qp, None)
+                qp = rotate(qp, left_turn, table)
             if turn is not None:
                 true_qp = pool_block_queries(true_rows.view(shape), groups,
                                              st.query_stride) * scale  # fmt: skip
-                at = turn.view(-1, 1, 1, 1)
-                pooled[pooling] = tuple(None if x is None else torch.where(at, x, true_qp)
-                                        for x in pooled[pooling])  # fmt: skip
-        q_left, q_right = pooled[pooling]
+                qp = torch.where(turn.view(-1, 1, 1, 1), qp, true_qp)
+            pooled[pooling] = qp
+        q_left = pooled[pooling]
         rotation = None
-        if style == "relative":  # every probe key to position 0
-            rotation = (torch.zeros((), dtype=torch.int32, device=device).expand(n_blocks, c),
-                        table)  # fmt: skip
-        elif style == "chunk-indexed":  # from their true t, to the gap the style gives
+        if style == "chunk-indexed":  # from their true t, to the gap the style gives
             rotation = (ref.chunk_indexed_key_turn(c, block_min_pos, sw, widths), table)
         common = dict(chunk_size=st.chunk_size, probe=params.probe, precision=precision,
-                      q_pooled_right=q_right, block_rows=stage_blocks.row,
+                      block_rows=stage_blocks.row,
                       head_reduction=None if fused_top else params.head_reduction,
                       exact=params.exact_last_stage and i == n_stages - 1,
                       group_probes=params.group_probes,
