@@ -33,7 +33,7 @@ from triton.runtime.errors import OutOfResources
 
 from . import reference as ref
 from .query_blocks import QueryBlocks, pool_block_queries, shared_once
-from .rope import RopeTable, relative_positions, rope_cos_sin, rotate
+from .rope import RopeTable, relative_positions, rotate
 from .triton_bsa import kv_quant_args
 from .triton_landmark import landmark_tables
 from .triton_rope import (
@@ -616,8 +616,11 @@ def select_rep_scores_paged(
             raise ValueError("right_turn takes the place of key_rotation and q_pooled_right")
         delta, turn_table = right_turn
         check_layout(turn_table, d)
-        cos, sin = rope_cos_sin(delta, rope_table_on(turn_table, q_pooled.device))
-        right_cs = torch.cat([cos, sin]).to(q_pooled.device)
+        if not 0 <= delta < 1 << LO_BITS:
+            raise ValueError(f"right_turn delta {delta} must be in [0, {1 << LO_BITS})")
+        # cos and sin of delta * inv_freq, side by side: row delta of the cached table B
+        # (float64-built, as rope.rope_cos_sin gives them), no work per call
+        right_cs = delta_tables(turn_table, delta, q_pooled.device).lo[delta]
         rope_meta = dict(rope_meta, ROT_DIM=turn_table.rotary_dim, IS_NEOX=turn_table.is_neox)
     if nb == 0 or c == 0:
         return per_head_out if head_reduction is None else per_head_out.new_empty(nb, c)

@@ -532,6 +532,9 @@ def test_key_rotation_rejects_bad_layouts():
         tp.select_rep_scores_paged(qp, cache, z[0], z, z.bool(), z[:, 0] + 1, chunk_size=8,
                                    q_pooled_right=qp,
                                    right_turn=(1, RopeTable.default(32)))  # fmt: skip
+    with pytest.raises(ValueError, match="right_turn delta -1"):
+        tp.select_rep_scores_paged(qp, cache, z[0], z, z.bool(), z[:, 0] + 1, chunk_size=8,
+                                   right_turn=(-1, RopeTable.default(32)))  # fmt: skip
 
 
 # --------------------------------------------------------------------------- RoPE: the cascade
