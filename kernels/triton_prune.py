@@ -1062,12 +1062,13 @@ def run_stages_blocks(
     placed by torch (small tensors). Relative style puts every probe key at position 0: the
     keys are turned there once per call (:func:`unrotated_key_pages`) and the kernel reads them
     plainly against the left-branch queries, turning each right-branch probe by the probes'
-    one-position gap (``right_turn``). Chunk-indexed style does the same in its first stage, where a key's position is
-    its chunk's ordinal over the live context (the queries then move to each block's position
-    instead of the keys); its later stages move each probe key in-kernel from its true position
-    (see :func:`select_rep_scores_paged`). Blocks whose last query sits below the pruning's remap
-    threshold keep true positions (queries and keys as given). The rotation tables are sized
-    by the block table's capacity and built on the first call.
+    one-position gap (``right_turn``). Chunk-indexed style does the same in its first stage,
+    where a key's position is its chunk's ordinal over the live context (the queries then move
+    to each block's position instead of the keys); its later stages move each probe key
+    in-kernel from its true position (see :func:`select_rep_scores_paged`). Blocks whose last
+    query sits below the pruning's remap threshold keep true positions (queries and keys as
+    given). The rotation tables are sized by the block table's capacity and built on the first
+    call.
 
     ``k_scale`` / ``v_scale``: an fp8 cache's dequantization (:func:`select_rep_scores_paged`);
     the result then equals :func:`reference.run_stages` on the dequantized keys.
