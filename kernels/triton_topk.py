@@ -144,7 +144,7 @@ def keep_top_blocks(
     already reduced. ``starts`` ``[n_blocks, C]`` integer: the candidates' starts, whose valid
     entries (finite scores) must ascend with their index, as every stage's candidates do (a
     stage splits its survivors in position order). Returns ``(kept_starts [n_blocks, keep]
-    int64, kept_valid bool)``: each block's top ``keep`` valid chunks by score in position
+    in the starts' dtype, kept_valid bool)``: each block's top ``keep`` valid chunks by score in position
     order, the invalid entries last (their starts 0). The kept set equals the reference's up
     to score ties (here ties go to the earlier chunk) and, with z-scores, to near-ties within
     fp32 rounding (the sums run in another order). No host sync."""
